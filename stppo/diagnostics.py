@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 
-@dataclass(frozen=True)
+@dataclass
 class CollapseConfig:
     ema: float = 0.3  # weight of the newest success rate in the EMA
     drop: float = 0.5  # collapsed when EMA < drop * running max of the EMA

@@ -1,0 +1,249 @@
+"""Config schemas: one validated dataclass per Hydra group (CONVENTIONS.md 6).
+
+Hydra composes YAML from `conf/` over these schemas (type-checked by OmegaConf); `to_config`
+then builds the dataclasses, whose `__post_init__` rejects invalid settings with one line that
+names the field and the allowed values. Nothing mutates a config after that.
+Torch-free: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from stppo.diagnostics import CollapseConfig
+
+RATIO_LEVELS = ("token", "turn", "sequence")
+ADVANTAGES = ("gae", "grpo", "turn_gae")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+CORRECTIONS = ("none", "clip_bias_norm", "clip_triggered")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not valid; allowed: {', '.join(map(str, allowed))}")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class CorrectionConfig:
+    kind: str = "none"
+    tau: float = 1.0
+    estimator: str = "token"  # token | grad
+    granularity: str = "batch"  # batch | sequence
+
+    def __post_init__(self) -> None:
+        _one_of("algo.correction.kind", self.kind, CORRECTIONS)
+        _one_of("algo.correction.estimator", self.estimator, ("token", "grad"))
+        _one_of("algo.correction.granularity", self.granularity, ("batch", "sequence"))
+        _check(self.tau > 0, f"algo.correction.tau must be > 0, got {self.tau}")
+        _check(not (self.estimator == "grad" and self.granularity == "sequence"),
+               "algo.correction.estimator=grad supports granularity=batch only")
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.0  # β; 0 disables the reference model entirely
+    estimator: str = "k3"
+    in_reward: bool = False  # True: per-token penalty in the reward; False: a loss term
+
+    def __post_init__(self) -> None:
+        _one_of("algo.kl.estimator", self.estimator, KL_ESTIMATORS)
+        _check(self.coef >= 0, f"algo.kl.coef must be >= 0, got {self.coef}")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING  # preset name (stppo.algos.PRESETS)
+    ratio_level: str = "token"
+    advantage: str = "gae"
+    use_critic: bool = True
+    loss_agg: str = "seq-mean-token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_advantages: bool = True
+    grpo_eps: float = 1e-6
+    entropy_coef: float = 0.0
+    vf_clip: float = 0.5
+
+    def __post_init__(self) -> None:
+        from stppo.algos import PRESETS
+
+        _one_of("algo.name", self.name, tuple(PRESETS))
+        _one_of("algo.ratio_level", self.ratio_level, RATIO_LEVELS)
+        _one_of("algo.advantage", self.advantage, ADVANTAGES)
+        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGGS)
+        _check(0.0 <= self.clip_low < 1.0, f"algo.clip_low must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high > 0.0, f"algo.clip_high must be > 0, got {self.clip_high}")
+        _check(self.dual_clip is None or self.dual_clip > 1.0,
+               f"algo.dual_clip must be null or > 1, got {self.dual_clip}")
+        _check(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
+               f"algo.gamma and algo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        _check(self.advantage == "grpo" or self.use_critic,
+               f"algo.advantage={self.advantage} needs a critic: set algo.use_critic=true")
+        _check(self.vf_clip > 0, f"algo.vf_clip must be > 0, got {self.vf_clip}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # preset name (stppo.models presets)
+    path: Optional[str] = None  # local directory or hub id overriding the preset's source
+    vocab_size: int = 1500  # random-init presets: size of the locally trained BPE
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    gradient_checkpointing: bool = False
+    critic_init: str = "policy"  # policy: critic backbone starts from the warm-started policy
+
+    def __post_init__(self) -> None:
+        from stppo.models import MODEL_PRESETS
+
+        _one_of("model.name", self.name, tuple(MODEL_PRESETS))
+        _one_of("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _one_of("model.critic_init", self.critic_init, ("policy", "random"))
+        _check(self.vocab_size >= 300, f"model.vocab_size must be >= 300, got {self.vocab_size}")
+
+
+@dataclass
+class RetrieverConfig:
+    kind: str = "bm25"  # bm25 | http
+    url: str = "http://127.0.0.1:8000"
+    topk: int = 2
+    timeout_s: float = 10.0
+    retries: int = 3
+
+    def __post_init__(self) -> None:
+        _one_of("task.retriever.kind", self.kind, ("bm25", "http"))
+        _check(self.topk >= 1, f"task.retriever.topk must be >= 1, got {self.topk}")
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING  # synthetic_multihop | search_r1 | hf | mcq
+    prompt_style: str = "compact"  # compact | search_r1 | chat
+    max_turns: int = 4
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    options: dict[str, Any] = field(default_factory=dict)  # the task builder's own settings
+
+    def __post_init__(self) -> None:
+        _one_of("task.name", self.name, ("synthetic_multihop", "search_r1", "hf", "mcq"))
+        _one_of("task.prompt_style", self.prompt_style, ("compact", "search_r1", "chat"))
+        _check(self.max_turns >= 1, f"task.max_turns must be >= 1, got {self.max_turns}")
+
+
+@dataclass
+class RolloutSettings:
+    max_new_tokens: int = 24  # per turn
+    max_total_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "trainer.rollout.max_new_tokens must be >= 1")
+        _check(self.temperature > 0, f"trainer.rollout.temperature must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"trainer.rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class WarmStartConfig:
+    enabled: bool = True
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 1e-3
+    error_rate: float = 0.2  # oracle demonstrations with a wrong query/answer
+    warmup_steps: int = 20
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.error_rate < 1.0, f"trainer.warmstart.error_rate must be in [0, 1), got {self.error_rate}")
+        _check(self.steps >= 0 and self.batch_size >= 1, "trainer.warmstart.steps >= 0 and batch_size >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    questions_per_step: int = 16
+    group_size: int = 4  # samples per question (GRPO groups; also used by GAE presets)
+    ppo_epochs: int = 1
+    minibatch_size: int = 64  # trajectories per optimizer step
+    actor_lr: float = 1e-4
+    critic_lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    val_every: int = 10
+    val_questions: int = 200
+    save_every: int = 10
+    resume: bool = False
+    stop_on_collapse: bool = False
+    exact_clip_bias_every: int = 0  # diagnostics: exact ‖C‖ every k optimizer steps (0 = never)
+    threads: int = 0  # torch threads; 0 = all cores
+    device: str = "auto"
+    out_dir: str = "runs"
+    progress: bool = True
+    debug_nan_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.collapse, dict):  # built from a plain mapping
+            self.collapse = CollapseConfig(**self.collapse)
+        batch = self.questions_per_step * self.group_size
+        _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
+        _check(self.questions_per_step >= 1 and self.group_size >= 1,
+               "trainer.questions_per_step and trainer.group_size must be >= 1")
+        _check(self.ppo_epochs >= 1, f"trainer.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        _check(1 <= self.minibatch_size <= batch,
+               f"trainer.minibatch_size={self.minibatch_size} must be in [1, questions_per_step x "
+               f"group_size = {batch}]")
+        _check(self.actor_lr > 0 and self.critic_lr > 0, "trainer.actor_lr and trainer.critic_lr must be > 0")
+        _check(self.max_grad_norm > 0, f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        _check(self.val_every >= 0 and self.save_every >= 0, "trainer.val_every and trainer.save_every must be >= 0")
+        _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "stppo"  # one MLflow experiment per study
+    run_name: Optional[str] = None
+    sweep: str = ""  # sweep name tag ('' outside sweeps)
+    enabled: bool = True
+    buffer_dir: str = ".stppo_buffer"  # metrics kept here while the server is unreachable
+
+
+@dataclass
+class Config:
+    algo: AlgoConfig = MISSING
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register the root schema with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="stppo_schema", node=Config)
+
+
+def to_config(cfg: DictConfig | dict) -> Config:
+    """Composed DictConfig → validated dataclasses. Raises ValueError naming the bad field."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, Config):  # composed without the schema
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    return obj

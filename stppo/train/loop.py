@@ -1,0 +1,218 @@
+"""The training loop, top to bottom (DESIGN.md; cleanrl's shape):
+
+    for step in 1..S:
+        rollout with π_old → old/ref log-probs, values → rewards → advantages (prepare.py)
+        → ppo_epochs × minibatches of the policy loss, then the critic (update.py)
+        → metrics of DESIGN.md §4 → collapse detector → MLflow (one batch per step)
+        → validation every `val_every` steps and at the last → checkpoint every `save_every`
+
+Sampling RNGs derive from (seed, step): a run resumed from a checkpoint replays exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from stppo import tracking as K
+from stppo.batch import Batch
+from stppo.cache import content_hash
+from stppo.config import Config
+from stppo.diagnostics import CollapseDetector
+from stppo.envs import Question
+from stppo.rollout import RolloutConfig, rollout
+from stppo.train import checkpoint
+from stppo.train.prepare import prepare_batch
+from stppo.train.setup import Components
+from stppo.train.update import UpdateContext, actor_update, critic_update
+
+log = logging.getLogger(__name__)
+VAL_CHUNK = 256
+
+
+def step_seed(seed: int, step: int, salt: str = "") -> int:
+    return int(content_hash(seed, step, salt), 16) % (2**62)
+
+
+def sample_questions(pool: list[Question], n: int, seed: int, step: int) -> list[Question]:
+    """Step `step` (1-based) of an epoch-wise shuffled pass over the pool (no repeats in an epoch)."""
+    per_epoch = max(1, len(pool) // n)
+    epoch, k = divmod(step - 1, per_epoch)
+    order = list(range(len(pool)))
+    random.Random(step_seed(seed, epoch, "questions")).shuffle(order)
+    return [pool[i] for i in order[k * n:(k + 1) * n]]
+
+
+def rollout_config(cfg: Config, *, greedy: bool = False) -> RolloutConfig:
+    r = cfg.trainer.rollout
+    return RolloutConfig(max_new_tokens=r.max_new_tokens, max_total_tokens=r.max_total_tokens,
+                         temperature=r.temperature, top_p=r.top_p, greedy=greedy)
+
+
+def env_metrics(batch: Batch) -> dict[str, float]:
+    actions = (batch.num_valid + batch.num_invalid).sum().clamp(min=1)
+    return {
+        K.SUCCESS_RATE: float(batch.scores.float().mean()),
+        K.VALID_ACTION_RATIO: float(batch.num_valid.sum() / actions),
+        K.NUM_TURNS_MEAN: float(batch.num_turns.float().mean()),
+        K.NUM_SEARCHES_MEAN: float(batch.num_searches.float().mean()),
+        K.FINISH_RATIO: float(batch.finished.float().mean()),
+        K.RESPONSE_LENGTH_MEAN: float(batch.response_length.float().mean()),
+        K.RESPONSE_LENGTH_CLIP_RATIO: float(batch.truncated.float().mean()),
+    }
+
+
+@torch.no_grad()
+def validate(cfg: Config, comps: Components) -> float:
+    """Greedy success rate on the first `val_questions` held-out questions."""
+    qs = comps.task.split("val")[: cfg.trainer.val_questions]
+    rc = rollout_config(cfg, greedy=True)
+    total = 0.0
+    for i in range(0, len(qs), VAL_CHUNK):
+        b = rollout(comps.policy, comps.tokenizer, comps.env, qs[i:i + VAL_CHUNK], rc)
+        total += float(b.scores.float().sum())
+    return total / max(1, len(qs))
+
+
+def run_dir_for(cfg: Config) -> Path:
+    """The run's checkpoint folder: same config (less resume/progress/tracking) ⇒ same folder."""
+    d = asdict(cfg)
+    for k in ("resume", "progress"):
+        d["trainer"].pop(k)
+    d.pop("tracking")
+    name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{content_hash(d, length=8)}"
+    return Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name
+
+
+class Trainer:
+    """Holds the run's state; `train()` is the loop above."""
+
+    def __init__(self, cfg: Config, comps: Components, tracker: K.Tracker, run_dir: Path) -> None:
+        self.cfg, self.c, self.tracker, self.run_dir = cfg, comps, tracker, run_dir
+        tr = cfg.trainer
+        self.actor_opt = torch.optim.AdamW(comps.policy.parameters(), lr=tr.actor_lr,
+                                           weight_decay=tr.weight_decay)
+        self.critic_opt = (torch.optim.AdamW(comps.critic.parameters(), lr=tr.critic_lr,
+                                             weight_decay=tr.weight_decay) if comps.critic else None)
+        self.detector = CollapseDetector(tr.collapse)
+        self.ctx = UpdateContext(cfg.algo, tr, torch.Generator())
+        self.step = 0
+        self.val_history: list[tuple[int, float]] = []
+        # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
+        self.logged = {"train": -1, "val": -1}
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "policy": self.c.policy.state_dict(),
+                "critic": self.c.critic.state_dict() if self.c.critic else None,
+                "actor_opt": self.actor_opt.state_dict(),
+                "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
+                "detector": self.detector.state_dict(), "opt_steps": self.ctx.opt_steps,
+                "val_history": self.val_history, "run_id": self.tracker.run_id}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.step = s["step"]
+        self.c.policy.load_state_dict(s["policy"])
+        self.actor_opt.load_state_dict(s["actor_opt"])
+        if self.c.critic is not None:
+            self.c.critic.load_state_dict(s["critic"])
+            self.critic_opt.load_state_dict(s["critic_opt"])
+        self.detector.load_state_dict(s["detector"])
+        self.ctx.opt_steps = s["opt_steps"]
+        self.val_history = [tuple(x) for x in s["val_history"]]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> float:
+        cfg, tr = self.cfg, self.cfg.trainer
+        if self.step == 0:
+            self._validate(0)
+        bar = tqdm(total=tr.total_steps, initial=self.step, desc=f"{cfg.algo.name} seed {cfg.seed}",
+                   disable=not tr.progress, dynamic_ncols=True)
+        while self.step < tr.total_steps:
+            self.step += 1
+            metrics = self.train_step(self.step)
+            self._log(self.step, metrics)
+            if self._val_due(self.step):
+                self._validate(self.step)
+            if tr.save_every and self.step % tr.save_every == 0:
+                checkpoint.save(self.run_dir, self.state_dict())
+            bar.update(1)
+            bar.set_postfix(success=f"{metrics[K.SUCCESS_RATE]:.2f}",
+                            val=f"{self.val_history[-1][1]:.2f}" if self.val_history else "-")
+            if self.detector.detected and (tr.stop_on_collapse or self.detector.reason.startswith("non-finite")):
+                log.warning("stppo: run collapsed at step %d (%s); stopping", self.detector.collapse_step,
+                            self.detector.reason)
+                if self.val_history[-1][0] != self.step:
+                    self._validate(self.step)
+                break
+        bar.close()
+        return self.objective()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, c = self.cfg, self.c
+        t0 = time.perf_counter()
+        qs = sample_questions(c.task.split("train"), cfg.trainer.questions_per_step, cfg.seed, step)
+        qs = [q for q in qs for _ in range(cfg.trainer.group_size)]
+        gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, "rollout"))
+        batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+        t_roll = time.perf_counter() - t0
+        batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo)
+        self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
+        self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
+        metrics.update(actor_update(c.policy, self.actor_opt, batch, self.ctx))
+        if c.critic is not None:
+            metrics.update(critic_update(c.critic, self.critic_opt, batch, self.ctx))
+        metrics.update(env_metrics(batch))
+        t_step = time.perf_counter() - t0
+        metrics.update({K.ROLLOUT_TIME: t_roll, K.UPDATE_TIME: t_step - t_roll, K.STEP_TIME: t_step,
+                        K.TOKENS_PER_S: float(batch.attention_mask.sum()) / t_step})
+        was = self.detector.detected
+        self.detector.update(step, metrics[K.SUCCESS_RATE], metrics[K.SKIPPED_STEPS] > 0)
+        metrics[K.COLLAPSE_DETECTED] = float(self.detector.detected)
+        if self.detector.detected and not was:
+            metrics[K.COLLAPSE_STEP] = float(self.detector.collapse_step)
+        return metrics
+
+    def _val_due(self, step: int) -> bool:
+        every = self.cfg.trainer.val_every
+        return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
+
+    def _validate(self, step: int) -> None:
+        v = validate(self.cfg, self.c)
+        self.val_history.append((step, v))
+        if step > self.logged["val"]:
+            self.tracker.log(step, {K.VAL_SUCCESS_RATE: v})
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if step > self.logged["train"]:
+            self.tracker.log(step, metrics)
+
+    def objective(self) -> float:
+        """Mean greedy validation success over the last 20% of steps (at least the final one)."""
+        if not self.val_history:
+            return float("nan")
+        start = self.step - max(1, round(0.2 * self.cfg.trainer.total_steps))
+        tail = [v for s, v in self.val_history if s > start] or [self.val_history[-1][1]]
+        return sum(tail) / len(tail)
+
+
+def resolved_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def write_run_info(run_dir: Path, run_id: str | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps({"mlflow_run_id": run_id}))
+
+
+def read_run_info(run_dir: Path) -> dict:
+    p = run_dir / "run.json"
+    return json.loads(p.read_text()) if p.exists() else {}

@@ -1,0 +1,74 @@
+"""From a rollout to a training batch: π_old / π_ref log-probs, values, rewards, advantages.
+
+    rollout (π_old) → old_log_probs, ref_log_probs, values → rewards (+ KL if in reward)
+                    → advantages and returns of the preset
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from stppo.algos import compute_advantages, kl_in_reward
+from stppo.batch import Batch
+from stppo.config import AlgoConfig
+from stppo.models import policy_log_probs
+from stppo.tracking import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
+
+
+@torch.no_grad()
+def forward_in_chunks(fn, batch: Batch, chunk: int) -> torch.Tensor:
+    """fn(input_ids, attention_mask) → (n, T) over row chunks of the batch, concatenated."""
+    outs = [fn(batch.input_ids[i:i + chunk], batch.attention_mask[i:i + chunk])
+            for i in range(0, len(batch), chunk)]
+    return torch.cat(outs, dim=0)
+
+
+def outcome_rewards(batch: Batch) -> torch.Tensor:
+    """(N, T): the trajectory's score at its last agent token, 0 elsewhere (DESIGN.md §1)."""
+    n, t = batch.input_ids.shape
+    pos = torch.arange(t, device=batch.input_ids.device).expand(n, t)  # (N, T)
+    last = torch.where(batch.loss_mask, pos, -1).max(dim=1).values  # (N,) -1: no agent token
+    rewards = torch.zeros(n, t, dtype=torch.float32, device=batch.input_ids.device)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] = batch.scores[rows].float()
+    return rewards
+
+
+def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float, float]:
+    v = x[mask]
+    if v.numel() == 0:
+        return 0.0, 0.0, 0.0, 0.0
+    return float(v.mean()), float(v.std(unbiased=False)), float(v.max()), float(v.min())
+
+
+@torch.no_grad()
+def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *, chunk: int = 64,
+                  ) -> tuple[Batch, dict[str, float]]:
+    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats."""
+    was_training = policy.training
+    policy.eval()
+    old = forward_in_chunks(lambda i, m: policy_log_probs(policy, i, m), batch, chunk)
+    policy.train(was_training)
+    ref_lp = forward_in_chunks(lambda i, m: policy_log_probs(ref, i, m), batch, chunk) if ref is not None else None
+    values = forward_in_chunks(critic.values, batch, chunk) if critic is not None else None
+
+    metrics: dict[str, float] = {}
+    rewards = outcome_rewards(batch)
+    if ref_lp is not None and algo.kl.in_reward and algo.kl.coef > 0:
+        rewards, kl_m = kl_in_reward(rewards, old, ref_lp, batch.loss_mask,
+                                     beta=algo.kl.coef, kind=algo.kl.estimator)
+        metrics.update({k: float(v) for k, v in kl_m.items()})
+    adv, ret = compute_advantages(
+        algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
+        values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
+        lam=algo.lam, eps=algo.grpo_eps, whiten=algo.whiten_advantages)
+    mean, std, mx, mn = masked_stats(adv, batch.loss_mask)
+    metrics.update({ADV_MEAN: mean, ADV_STD: std, ADV_MAX: mx, ADV_MIN: mn,
+                    RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})
+    if values is not None:
+        metrics[VALUES_MEAN] = masked_stats(values, batch.loss_mask)[0]
+    out = replace(batch, old_log_probs=old, ref_log_probs=ref_lp, values=values, rewards=rewards,
+                  advantages=adv, returns=ret)
+    return out, metrics

@@ -1,0 +1,92 @@
+"""`run(cfg)`: one job, start to end — validate the config, open the MLflow run, build the
+components (warm start included), train, close the run with its final status."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from stppo import tracking as K
+from stppo.config import Config, to_config
+from stppo.train import checkpoint
+from stppo.train.loop import Trainer, read_run_info, resolved_yaml, run_dir_for, write_run_info
+from stppo.train.setup import build_components
+
+log = logging.getLogger(__name__)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_tags(cfg: Config) -> dict[str, str]:
+    return {K.TAG_ALGO: cfg.algo.name, K.TAG_MODEL: cfg.model.name, K.TAG_TASK: cfg.task.name,
+            K.TAG_SEED: str(cfg.seed), K.TAG_SWEEP: cfg.tracking.sweep, K.TAG_GIT_COMMIT: git_commit()}
+
+
+class Terminated(Exception):
+    """SIGTERM: the job was stopped from outside (scheduler, launcher, user)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated("received SIGTERM")
+
+
+def run(cfg_in: DictConfig | Config | dict) -> float:
+    """Train one run; returns the objective (mean late validation success)."""
+    cfg = cfg_in if isinstance(cfg_in, Config) else to_config(cfg_in)  # ValueError on bad settings
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.seed)
+    run_dir = run_dir_for(cfg)
+    state = checkpoint.load(run_dir) if cfg.trainer.resume else None
+    prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None
+    tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
+                        enabled=cfg.tracking.enabled)
+    run_id = tracker.start(tags=run_tags(cfg), params=K.flatten(asdict(cfg)),
+                           run_name=cfg.tracking.run_name or run_dir.name, run_id=prev_id,
+                           artifacts={"config.yaml": resolved_yaml(cfg)})
+    write_run_info(run_dir, run_id)
+    old_handler = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
+    try:
+        comps = build_components(cfg, progress=cfg.trainer.progress)
+        trainer = Trainer(cfg, comps, tracker, run_dir)
+        if state is not None:
+            trainer.load_state_dict(state)
+        if prev_id is not None:
+            trainer.logged = {"train": _last(tracker, K.STEP_TIME), "val": _last(tracker, K.VAL_SUCCESS_RATE)}
+        objective = trainer.train()
+        tracker.finish("FINISHED")
+        return objective
+    except (KeyboardInterrupt, Terminated) as e:
+        tracker.finish("KILLED", error=f"{type(e).__name__}: {e}")
+        raise
+    except BaseException as e:
+        tracker.finish("FAILED", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+
+
+def _last(tracker: K.Tracker, key: str) -> int:
+    s = tracker.last_logged_step(key)
+    return -1 if s is None else s
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread() and os.name == "posix"

@@ -1,0 +1,96 @@
+"""Build what a run needs from its config: task, environment, tokenizer, the warm-started
+policy, the critic and the reference model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from stppo.cache import content_hash
+from stppo.config import Config
+from stppo.envs import SearchEnv, Task, build_retriever, build_task, run_oracle, tokenizer_texts
+from stppo.models import (MODEL_PRESETS, ValueModel, load_model, reference_model)
+from stppo.train import sft
+
+log = logging.getLogger(__name__)
+WARMSTART_SEED = 0  # one warm start per (model, task, settings), shared by every seed and preset
+SFT_EPISODES_PER_QUESTION = 4  # oracle replays per warm-start question (errors differ per replay)
+
+
+@dataclass
+class Components:
+    task: Task
+    env: SearchEnv
+    tokenizer: Any
+    policy: torch.nn.Module
+    critic: ValueModel | None
+    ref: torch.nn.Module | None
+    warmstart_loss: float | None
+
+
+def device_of(cfg: Config) -> torch.device:
+    if cfg.trainer.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.trainer.device)
+
+
+def build_env(cfg: Config, task: Task, tokenizer=None) -> SearchEnv:
+    r = cfg.task.retriever
+    opts = {"url": r.url, "timeout": r.timeout_s, "retries": r.retries} if r.kind == "http" else {}
+    retriever = build_retriever(r.kind, corpus=task.corpus, **opts)
+    return SearchEnv.for_task(task, retriever, max_turns=cfg.task.max_turns, topk=r.topk,
+                              prompt_style=cfg.task.prompt_style, tokenizer=tokenizer)
+
+
+def build_components(cfg: Config, *, progress: bool = True) -> Components:
+    task = build_task(cfg.task.name, **dict(cfg.task.options))
+    device = device_of(cfg)
+    preset = MODEL_PRESETS[cfg.model.name]
+    source = cfg.model.path or cfg.model.name
+    env = build_env(cfg, task)
+    texts = list(tokenizer_texts(task, env)) if preset.kind == "random" and not cfg.model.path else None
+    policy, tokenizer = load_model(source, texts=texts, vocab_size=cfg.model.vocab_size,
+                                   seed=WARMSTART_SEED, dtype=cfg.model.dtype, device=device,
+                                   gradient_checkpointing=cfg.model.gradient_checkpointing)
+    if cfg.task.prompt_style == "chat":
+        env = build_env(cfg, task, tokenizer)
+    ws_loss = warm_start(cfg, task, env, policy, tokenizer, progress=progress)
+    critic = None
+    if cfg.algo.use_critic:
+        critic = ValueModel.from_policy(policy, init_from_policy=cfg.model.critic_init == "policy")
+        if cfg.model.gradient_checkpointing:
+            critic.gradient_checkpointing_enable()
+    ref = reference_model(policy) if cfg.algo.kl.coef > 0 else None
+    return Components(task, env, tokenizer, policy, critic, ref, ws_loss)
+
+
+def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
+               progress: bool = True) -> float | None:
+    """SFT the policy on oracle episodes of the task's 'sft' split, through the cache."""
+    ws = cfg.trainer.warmstart
+    if not ws.enabled or ws.steps == 0:
+        return None
+    if getattr(task, "world", None) is None:
+        raise ValueError(f"trainer.warmstart needs an oracle, which task {cfg.task.name!r} lacks; "
+                         "set trainer.warmstart.enabled=false (pretrained models) or use "
+                         "task=synthetic_multihop")
+    key = {"model": asdict(cfg.model), "task": asdict(cfg.task), "warmstart": asdict(ws),
+           "tokenizer": content_hash(tokenizer.get_vocab()), "version": 1}
+    path = sft.warmstart_dir(key)
+    if (path / sft.DONE).exists():
+        policy.load_state_dict(torch.load(path / "policy.pt", map_location="cpu"))
+        log.info("warm start: reused %s", path)
+        return float((path / sft.DONE).read_text() or "nan")
+    questions = task.split("sft")
+    episodes = []
+    for rep in range(SFT_EPISODES_PER_QUESTION):
+        episodes += run_oracle(env, task, questions, error_rate=ws.error_rate, seed=WARMSTART_SEED + rep)
+    losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED, progress=progress)
+    final = sum(losses[-20:]) / max(1, len(losses[-20:]))
+    torch.save(copy.deepcopy(policy.state_dict()), path / "policy.pt")
+    (path / sft.DONE).write_text(f"{final:.6f}")
+    return final

@@ -1,0 +1,129 @@
+"""The PPO update: `ppo_epochs` × minibatches of the preset's policy loss, then the critic.
+
+A non-finite loss or gradient skips that optimizer step (counted, never applied).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stppo.algos import (agg_loss, clip_bias_grad_norm, clip_bias_term, clipped_surrogate,
+                         explained_variance, importance_ratio, kl_loss, policy_loss, value_loss)
+from stppo.batch import Batch
+from stppo.config import AlgoConfig, TrainerConfig
+from stppo.models import policy_log_probs
+from stppo.tracking import (CLIP_BIAS_GRAD_NORM, CRITIC_GRAD_NORM, ENTROPY, GRAD_NORM,
+                            GRAD_NORM_MAX, LR, SKIPPED_STEPS, VF_EXPLAINED_VAR)
+from stppo.train.metrics import MetricAccumulator
+
+
+@dataclass
+class UpdateContext:
+    """What the update needs besides the batch; `opt_steps` counts optimizer steps over the run
+    (it schedules the exact clip-bias diagnostic)."""
+    algo: AlgoConfig
+    trainer: TrainerConfig
+    generator: torch.Generator
+    opt_steps: int = 0
+    nan_at_first_minibatch: bool = False  # fault injection for tests (trainer.debug_nan_steps)
+
+
+def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):
+    """Yield index tensors: `epochs` shuffled passes over n rows in chunks of `size`."""
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=generator)
+        for i in range(0, n, size):
+            yield perm[i:i + size]
+
+
+def _correction(algo: AlgoConfig):
+    c = algo.correction
+    return None if c.kind == "none" else c
+
+
+def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
+    algo = ctx.algo
+    params = [p for p in policy.parameters() if p.requires_grad]
+    lp, ent = policy_log_probs(policy, mb.input_ids, mb.attention_mask, return_entropy=True)
+    corr = _correction(algo)
+    loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mb.loss_mask, mb.turn_ids,
+                          ratio_level=algo.ratio_level, clip_low=algo.clip_low,
+                          clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
+                          dual_clip=algo.dual_clip,
+                          params=params if corr is not None and corr.estimator == "grad" else None)
+    every = ctx.trainer.exact_clip_bias_every
+    if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
+        ratio, _ = importance_ratio(lp, mb.old_log_probs, mb.loss_mask, mb.turn_ids, algo.ratio_level)
+        adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
+        clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
+        term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg)
+        m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params)
+    entropy = agg_loss(torch.where(mb.loss_mask, ent, 0.0), mb.loss_mask, algo.loss_agg)
+    m[ENTROPY] = entropy.detach()
+    if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
+        kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
+                         loss_agg=algo.loss_agg)
+        loss = loss + algo.kl.coef * kl
+        m.update(km)
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * entropy
+    return loss, m
+
+
+def _step(loss: torch.Tensor, params: list, optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
+    """Backward, clip, step. Returns (pre-clip grad norm, applied?)."""
+    optimizer.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return torch.tensor(float("nan")), False
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    return norm, True
+
+
+def actor_update(policy, optimizer, batch: Batch, ctx: UpdateContext) -> dict[str, float]:
+    tr = ctx.trainer
+    params = [p for p in policy.parameters() if p.requires_grad]
+    acc, skipped = MetricAccumulator(), 0
+    policy.train()
+    for i, idx in enumerate(minibatches(len(batch), tr.minibatch_size, tr.ppo_epochs, ctx.generator)):
+        loss, m = _actor_loss(policy, batch.select(idx), ctx)
+        if i == 0 and ctx.nan_at_first_minibatch:
+            loss = loss * float("nan")
+        norm, applied = _step(loss, params, optimizer, tr.max_grad_norm)
+        skipped += not applied
+        ctx.opt_steps += 1
+        m[GRAD_NORM] = m[GRAD_NORM_MAX] = norm
+        acc.add(m)
+    out = acc.reduce()
+    out[SKIPPED_STEPS] = float(skipped)
+    out[LR] = optimizer.param_groups[0]["lr"]
+    return out
+
+
+def critic_update(critic, optimizer, batch: Batch, ctx: UpdateContext) -> dict[str, float]:
+    tr = ctx.trainer
+    params = [p for p in critic.parameters() if p.requires_grad]
+    acc = MetricAccumulator()
+    critic.train()
+    for idx in minibatches(len(batch), tr.minibatch_size, tr.ppo_epochs, ctx.generator):
+        mb = batch.select(idx)
+        v = critic.values(mb.input_ids, mb.attention_mask)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, clip_range=ctx.algo.vf_clip)
+        norm, _ = _step(loss, params, optimizer, tr.max_grad_norm)
+        m[CRITIC_GRAD_NORM] = norm
+        acc.add(m)
+    out = acc.reduce()
+    out[VF_EXPLAINED_VAR] = float(explained_variance(batch.values, batch.returns, batch.loss_mask))
+    return out
+
+
+def any_nonfinite(metrics: dict[str, float]) -> bool:
+    return metrics.get(SKIPPED_STEPS, 0.0) > 0 or not all(
+        math.isfinite(v) for k, v in metrics.items() if k.startswith("actor/pg_loss"))
