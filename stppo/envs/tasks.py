@@ -1,0 +1,63 @@
+"""The task registry: `build_task(name, **options)` → `Task`.
+
+  synthetic_multihop  options: the fields of `SyntheticConfig` (seed, sizes, hop_mix, …)
+  search_r1           options: splits={split: file} or data_dir, corpus, max_questions
+  hf                  options: name (hub id or local path), splits, question_key, answers_key,
+                      id_key, corpus, max_questions, extra `datasets.load_dataset` arguments
+  mcq                 options: splits={split: file.jsonl}, corpus, max_questions
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from stppo.envs.base import Task
+
+TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str):
+    """Decorator adding a task builder `fn(**options) -> Task` to the registry."""
+    def deco(fn: Callable[..., Task]) -> Callable[..., Task]:
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is already registered")
+        TASKS[name] = fn
+        return fn
+    return deco
+
+
+@register_task("synthetic_multihop")
+def _synthetic(**options: Any) -> Task:
+    from stppo.envs.synthetic import build_synthetic_task
+    return build_synthetic_task(**options)
+
+
+@register_task("search_r1")
+def _search_r1(**options: Any) -> Task:
+    from stppo.envs.datasets import build_search_r1_task
+    return build_search_r1_task(**options)
+
+
+@register_task("hf")
+def _hf(**options: Any) -> Task:
+    from stppo.envs.datasets import build_hf_task
+    if "name" not in options and "path" not in options:
+        raise ValueError("hf task: give name=<hub dataset id or local path> (task.options.name)")
+    name = options.pop("name", None) or options.pop("path")
+    return build_hf_task(name, **options)
+
+
+@register_task("mcq")
+def _mcq(**options: Any) -> Task:
+    from stppo.envs.datasets import build_mcq_task
+    return build_mcq_task(**options)
+
+
+def build_task(name: str, /, **options: Any) -> Task:
+    """Build a task by registry name; an unknown name lists the valid ones."""
+    if name not in TASKS:
+        raise ValueError(f"task name={name!r} is not valid; allowed: {', '.join(TASKS)}")
+    try:
+        return TASKS[name](**options)
+    except TypeError as err:  # an option the builder does not take
+        raise ValueError(f"task {name!r}: bad option ({err})") from None
