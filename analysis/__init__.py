@@ -1,0 +1,36 @@
+"""MLflow runs -> tidy pandas frame -> statistics across seeds, tables and the paper's figures.
+
+Reads MLflow only (never torch, never `stppo.train`): `load_study` for data, `collapse_table` for the
+one collapse rule, `aggregate`/`preset_table`/`significance_table`/`growth_table` for numbers, the
+`fig_*` functions for figures, `python -m analysis.report` for all of it on disk.
+"""
+
+from .collapse import collapse_table, run_collapse
+from .figures import fig_clip_kl, fig_collapse_diagnosis, fig_success_by_preset, fig_token_vs_turn
+from .load import Study, collapse_config, list_experiments, load_study
+from .stats import aggregate, bootstrap_diff_ci, ema, fit_exponential, t_interval, welch_test
+from .store import (
+    AnalysisError,
+    EmptyExperimentError,
+    StoreNotFoundError,
+    StoreUnreachableError,
+    UnknownExperimentError,
+)
+from .tables import (
+    final_success,
+    growth_summary,
+    growth_table,
+    per_run_table,
+    per_run_value,
+    preset_table,
+    significance_table,
+)
+
+__all__ = [
+    "AnalysisError", "EmptyExperimentError", "StoreNotFoundError", "StoreUnreachableError",
+    "UnknownExperimentError", "Study", "aggregate", "bootstrap_diff_ci", "collapse_config", "collapse_table",
+    "ema", "fig_clip_kl", "fig_collapse_diagnosis", "fig_success_by_preset", "fig_token_vs_turn",
+    "final_success", "fit_exponential", "growth_summary", "growth_table", "list_experiments", "load_study",
+    "per_run_table", "per_run_value", "preset_table", "run_collapse", "significance_table", "t_interval",
+    "welch_test",
+]

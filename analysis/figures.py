@@ -1,0 +1,170 @@
+"""The paper's figures as functions tidy DataFrame -> matplotlib Figure. No pyplot state: figures
+are plain `matplotlib.figure.Figure` (thread-safe in a server, never leaked, never shown), and
+`savefig` renders them with Agg (PNG) or the PDF backend whatever the session's backend is.
+
+* `fig_collapse_diagnosis` — one run: advantages, valid actions, grad norm, success (Fig. 2);
+* `fig_token_vs_turn` — success, grad norm, pg-loss norm, clipping-bias norm per preset (Fig. 3);
+* `fig_success_by_preset` — validation success per preset, one panel per model size (Fig. 4);
+* `fig_clip_kl` — clip ratio and KL per preset (Fig. 5).
+Curves across seeds are the mean with a t-interval band (`stats.aggregate`). A metric a run did not
+log gets a panel with a note, never an exception.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from stppo import tracking as T
+
+from .stats import aggregate
+
+PRESET_ORDER = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo", "so_grpo")
+STYLES = ("-", "--", ":", "-.")
+FIG3_METRICS = (T.SUCCESS_RATE, T.GRAD_NORM, T.PG_LOSS_NORM, T.CLIP_BIAS_NORM)
+FIG5_METRICS = (T.PG_CLIPFRAC, T.PPO_KL, T.KL_REF)
+ADVANTAGES = (T.ADV_MEAN, T.ADV_STD, T.ADV_MAX, T.ADV_MIN)
+
+
+def preset_color(algo: str):
+    """A fixed colour per preset (tab10), so every figure colours a preset the same way."""
+    i = PRESET_ORDER.index(algo) if algo in PRESET_ORDER else len(PRESET_ORDER) + sum(map(ord, algo)) % 2
+    return matplotlib.colormaps["tab10"](i)
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4", wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _grid(n: int, ncols: int, width: float = 5.2, height: float = 3.0) -> tuple[Figure, list]:
+    ncols = max(1, min(ncols, n))
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
+    return fig, axes
+
+
+def _one(metrics: pd.DataFrame, run_id: str, metric: str) -> pd.DataFrame:
+    sub = metrics[(metrics["run_id"] == run_id) & (metrics["metric"] == metric)]
+    return sub[["step", "value"]].sort_values("step")
+
+
+def fig_collapse_diagnosis(metrics: pd.DataFrame, run_id: str, *, collapse_step: float | None = None,
+                           extra_metrics: Sequence[str] = (), title: str | None = None) -> Figure:
+    """Fig. 2 for one run: advantage statistics, valid-action ratio, grad norm, train and val
+    success, plus one panel per `extra_metrics`; a dashed red line marks `collapse_step`."""
+    panels: list[tuple[str, tuple[str, ...]]] = [
+        ("advantages", ADVANTAGES), ("valid action ratio", (T.VALID_ACTION_RATIO,)),
+        ("grad norm (pre-clip)", (T.GRAD_NORM, T.GRAD_NORM_MAX)),
+        ("success rate", (T.SUCCESS_RATE, T.VAL_SUCCESS_RATE)),
+    ] + [(m, (m,)) for m in extra_metrics]
+    fig, axes = _grid(len(panels), 2)
+    run = metrics[metrics["run_id"] == run_id]
+    for ax, (name, keys) in zip(axes, panels):
+        drawn = 0
+        for key in keys:
+            pts = _one(run, run_id, key)
+            if pts.empty:
+                continue
+            marker = "o" if key == T.VAL_SUCCESS_RATE else None
+            ax.plot(pts["step"], pts["value"].where(np.isfinite(pts["value"])), marker=marker, ms=3, lw=1.2,
+                    label=key)
+            drawn += 1
+        if not drawn:
+            _note(ax, f"{name}: not logged by this run ({', '.join(keys)})")
+            ax.set_title(name, fontsize=10)
+            continue
+        if collapse_step is not None and np.isfinite(collapse_step):
+            ax.axvline(collapse_step, color="red", ls="--", lw=1.2, label=f"collapse (step {int(collapse_step)})")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or f"collapse diagnosis — run {run_id}", fontsize=11)
+    return fig
+
+
+def _filter(metrics: pd.DataFrame, presets: Sequence[str] | None, models: Sequence[str] | None) -> pd.DataFrame:
+    keep = np.ones(len(metrics), dtype=bool)
+    if presets:
+        keep &= metrics["algo"].isin(list(presets)).to_numpy()
+    if models:
+        keep &= metrics["model"].isin(list(models)).to_numpy()
+    return metrics[keep]
+
+
+def _label(row: pd.Series, multi_model: bool, multi_task: bool) -> str:
+    parts = [row["algo"]] + ([row["model"]] if multi_model else []) + ([row["task"]] if multi_task else [])
+    return " · ".join(parts)
+
+
+def _band_panel(ax, metrics: pd.DataFrame, metric: str, *, smoothing: float, log_scale: bool,
+                title: str | None = None) -> None:
+    """Mean ± t-interval across seeds of `metric`, one line per (algo, model, task)."""
+    agg = aggregate(metrics, metric, smoothing=smoothing)
+    ax.set_title(title or metric, fontsize=10)
+    if agg.empty:
+        _note(ax, f"{metric}: not logged by the selected runs")
+        return
+    models = sorted(agg["model"].unique())
+    multi_model, multi_task = len(models) > 1, agg["task"].nunique() > 1
+    for key, grp in agg.groupby(["algo", "model", "task"], sort=True):
+        row = pd.Series(dict(zip(["algo", "model", "task"], key)))
+        color, ls = preset_color(row["algo"]), STYLES[models.index(row["model"]) % len(STYLES)]
+        ax.plot(grp["step"], grp["mean"], color=color, ls=ls, lw=1.4,
+                label=f"{_label(row, multi_model, multi_task)} (n={int(grp['n'].max())})")
+        ax.fill_between(grp["step"], grp["ci_low"], grp["ci_high"], color=color, alpha=0.18, lw=0)
+    if log_scale and (agg["mean"] > 0).any():
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def _band_figure(metrics: pd.DataFrame, keys: Sequence[str], *, presets, models, smoothing: float,
+                 log_keys: Sequence[str], title: str, ncols: int = 2) -> Figure:
+    sub = _filter(metrics, presets, models)
+    fig, axes = _grid(len(keys), ncols)
+    for ax, key in zip(axes, keys):
+        _band_panel(ax, sub, key, smoothing=smoothing, log_scale=key in log_keys)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def fig_token_vs_turn(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
+                      models: Sequence[str] | None = None, smoothing: float = 0.0, log_scale: bool = False,
+                      keys: Sequence[str] = FIG3_METRICS) -> Figure:
+    """Fig. 3: token- vs turn-level presets — success, grad norm, pg-loss norm, clipping-bias norm;
+    mean ± 95% t-interval across seeds; `log_scale` puts the non-success panels on a log axis."""
+    log_keys = [k for k in keys if log_scale and "success" not in k]
+    return _band_figure(metrics, keys, presets=presets, models=models, smoothing=smoothing, log_keys=log_keys,
+                        title="token vs turn level (mean ± 95% CI across seeds)")
+
+
+def fig_success_by_preset(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
+                          models: Sequence[str] | None = None, smoothing: float = 0.0) -> Figure:
+    """Fig. 4: success per preset (validation when logged, else training), one panel per model."""
+    sub = _filter(metrics, presets, models)
+    key = T.VAL_SUCCESS_RATE if (sub["metric"] == T.VAL_SUCCESS_RATE).any() else T.SUCCESS_RATE
+    names = sorted(sub["model"].astype(str).unique()) or ["(no runs)"]
+    fig, axes = _grid(len(names), 3)
+    for ax, model in zip(axes, names):
+        _band_panel(ax, sub[sub["model"] == model], key, smoothing=smoothing, log_scale=False,
+                    title=f"{key} — model {model}")
+        ax.set_ylim(-0.02, 1.02)
+    fig.suptitle("success by preset across seeds (mean ± 95% CI)", fontsize=11)
+    return fig
+
+
+def fig_clip_kl(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
+                models: Sequence[str] | None = None, smoothing: float = 0.0, log_scale: bool = False) -> Figure:
+    """Fig. 5: clip ratio (`actor/pg_clipfrac`) and KL (`actor/ppo_kl`, `actor/kl_ref`) per preset."""
+    keys = [k for k in FIG5_METRICS if k != T.KL_REF or (metrics["metric"] == T.KL_REF).any()]
+    return _band_figure(metrics, keys, presets=presets, models=models, smoothing=smoothing,
+                        log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean ± 95% CI)")

@@ -1,0 +1,133 @@
+"""Write runs to a real MLflow store the way the trainer does (tags, params, one `log_batch` per
+step), with synthetic curves: for tests, `benchmarks/bench_analysis.py` and dashboard demos.
+
+A collapsing run follows the paper's picture: success rises, then falls to ~0 from step `c`; over the
+`growth_window` steps before `c` the clipping-bias norm grows as exp(growth · (s − c)); clip ratio
+and KL rise; `collapse/detected` / `collapse/step` are logged by `stppo.diagnostics.CollapseDetector`
+exactly as the trainer logs them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from stppo import tracking as T
+from stppo.diagnostics import CollapseDetector
+
+Series = Mapping[str, Sequence[tuple[int, float]]]
+
+
+def write_run(client, experiment_id: str, *, tags: Mapping[str, str], params: Mapping[str, object],
+              series: Series, status: str = "FINISHED", per_step: bool = True) -> str:
+    """Create one run with `series` {metric: [(step, value), ...]}; returns its run id.
+
+    per_step=True logs one `log_batch` per step (the trainer's pattern); False packs up to 1000
+    values per call (same stored rows, ~10x faster to write a large benchmark store)."""
+    from mlflow.entities import Metric, Param
+
+    run_id = client.create_run(experiment_id, tags=dict(tags)).info.run_id
+    items = [Param(k, str(v)) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i:i + 100])
+    t0 = int(time.time() * 1000)
+    by_step: dict[int, list] = {}
+    for key, points in series.items():
+        for step, value in points:
+            by_step.setdefault(int(step), []).append(Metric(key, float(value), t0 + int(step), int(step)))
+    batch: list = []
+    for step in sorted(by_step):
+        batch += by_step[step]
+        if per_step or len(batch) >= 1000 - 64:
+            for i in range(0, len(batch), 1000):
+                client.log_batch(run_id, metrics=batch[i:i + 1000])
+            batch = []
+    if batch:
+        client.log_batch(run_id, metrics=batch)
+    client.set_terminated(run_id, status=status)
+    return run_id
+
+
+def synthetic_series(steps: int, *, seed: int = 0, collapse_at: int | None = None, growth: float = 0.25,
+                     growth_window: int = 20, val_every: int = 10, peak: float = 0.7,
+                     extra_metrics: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """Curves for one run of `steps` updates (see the module docstring); `extra_metrics` adds that
+    many filler `perf/*`-style series so a benchmark run logs a realistic number of keys."""
+    rng = np.random.default_rng(seed)
+    s = np.arange(1, steps + 1, dtype=np.float64)  # (S,)
+    c = collapse_at if collapse_at is not None else steps + 10**6
+    rise = 0.3 + (peak - 0.3) * (1 - np.exp(-s / max(steps / 8, 1)))
+    success = np.where(s < c, rise, 0.02) + rng.normal(0, 0.02, s.size)
+    success = np.clip(success, 0, 1)
+    pre = np.clip(s - c, -growth_window, 0)
+    bias = np.where(s < c, 0.05 * np.exp(growth * pre), 0.05) * np.exp(rng.normal(0, 0.01, s.size))
+    near = np.exp(-np.abs(s - c) / 5.0)  # (S,) 1 at the collapse, 0 far from it
+    grad = 0.5 + 3.0 * near + rng.normal(0, 0.05, s.size).clip(-0.2, 0.2)
+    out: dict[str, list[tuple[int, float]]] = {
+        T.SUCCESS_RATE: _pts(s, success),
+        T.VALID_ACTION_RATIO: _pts(s, np.where(s < c, 0.98, 0.55) + rng.normal(0, 0.005, s.size)),
+        T.GRAD_NORM: _pts(s, grad),
+        T.GRAD_NORM_MAX: _pts(s, 1.5 * grad),
+        T.CLIP_BIAS_NORM: _pts(s, bias),
+        T.PG_LOSS_NORM: _pts(s, 0.3 + 2 * bias + rng.normal(0, 0.01, s.size)),
+        T.PG_CLIPFRAC: _pts(s, 0.04 + 0.2 * near + rng.normal(0, 0.003, s.size).clip(-0.01, 0.01)),
+        T.PPO_KL: _pts(s, 0.002 + 0.02 * near),
+        T.KL_REF: _pts(s, 0.001 * s / steps + 0.05 * (s >= c)),
+        T.ADV_MEAN: _pts(s, rng.normal(0, 0.02, s.size)),
+        T.ADV_STD: _pts(s, np.where(s < c, 1.0, 0.05)),
+        T.ADV_MAX: _pts(s, np.where(s < c, 2.5, 0.1)),
+        T.ADV_MIN: _pts(s, np.where(s < c, -2.5, -0.1)),
+        T.SKIPPED_STEPS: _pts(s, np.zeros_like(s)),
+    }
+    for k in range(extra_metrics):
+        out[f"perf/extra_{k}"] = _pts(s, rng.random(s.size))
+    val_steps = sorted({0, *range(val_every, steps + 1, val_every), steps})
+    val = [(v, float(np.clip((0.3 if v == 0 else success[v - 1]) + rng.normal(0, 0.01), 0, 1))) for v in val_steps]
+    out[T.VAL_SUCCESS_RATE] = val
+    out.update(_collapse_flags(s, success))
+    return out
+
+
+def _pts(steps: np.ndarray, values: np.ndarray) -> list[tuple[int, float]]:
+    return [(int(a), float(b)) for a, b in zip(steps, values)]
+
+
+def _collapse_flags(steps: np.ndarray, success: np.ndarray) -> dict[str, list[tuple[int, float]]]:
+    """`collapse/detected` per step and `collapse/step` once, as the trainer's online detector logs."""
+    det, flags, at = CollapseDetector(), [], []
+    for step, x in zip(steps, success):
+        was = det.detected
+        flags.append((int(step), float(det.update(int(step), float(x)))))
+        if det.detected and not was:
+            at.append((int(step), float(det.collapse_step)))
+    return {T.COLLAPSE_DETECTED: flags, T.COLLAPSE_STEP: at}
+
+
+def write_demo_study(tracking_uri: str, name: str, *, presets: Sequence[str] = ("ppo", "st_ppo"),
+                     models: Sequence[str] = ("tiny",), seeds: Sequence[int] = (0, 1, 2), steps: int = 60,
+                     collapsing: Sequence[str] = ("ppo", "grpo"), per_step: bool = True,
+                     extra_metrics: int = 0, task: str = "synthetic_multihop") -> list[str]:
+    """An experiment `name` of presets × models × seeds synthetic runs; collapsing presets collapse
+    at a seed-dependent step in the second half. Returns the run ids."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name)
+    ids = []
+    for algo in presets:
+        for model in models:
+            for seed in seeds:
+                c = int(math.floor(steps * 0.5)) + 3 * seed if algo in collapsing else None
+                tags = {T.TAG_ALGO: algo, T.TAG_MODEL: model, T.TAG_TASK: task, T.TAG_SEED: str(seed),
+                        T.TAG_SWEEP: "", T.TAG_GIT_COMMIT: "synthetic"}
+                params = {"algo.name": algo, "model.name": model, "trainer.seed": seed, "trainer.steps": steps,
+                          "trainer.collapse.patience": 5, "trainer.collapse.ema": 0.3}
+                series = synthetic_series(steps, seed=1000 * seed + zlib.crc32(algo.encode()) % 997, collapse_at=c,
+                                          extra_metrics=extra_metrics)
+                ids.append(write_run(client, exp_id, tags=tags, params=params, series=series, per_step=per_step))
+    return ids

@@ -1,0 +1,122 @@
+"""Shared pieces of the dashboard: the sidebar (tracking URI, experiments, Optuna storage) and the
+cached loaders. Imports `analysis` only (never torch, never `stppo.train`).
+
+Every store problem (missing file, unreachable server, unknown or empty experiment) becomes a
+message on the page (st.info / st.warning), never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import streamlit as st
+
+import analysis
+from analysis.store import AnalysisError, EmptyExperimentError
+from analysis.summary import fmt_number
+from analysis.sweeps import DEFAULT_STORAGE
+
+URI_KEY, EXP_KEY, OPTUNA_KEY = "tracking_uri", "experiments", "optuna_storage"
+
+
+def default_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def experiments(uri: str) -> dict[str, int]:
+    """Experiment name -> run count."""
+    return analysis.list_experiments(uri)
+
+
+@st.cache_data(ttl=30, max_entries=8, show_spinner="Loading runs from MLflow…")
+def study(uri: str, names: tuple[str, ...]) -> analysis.Study:
+    return analysis.load_study(names, uri)
+
+
+@st.cache_data(ttl=30, max_entries=8, show_spinner=False)
+def run_tables(uri: str, names: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-run table, collapse table) of a study."""
+    s = study(uri, names)
+    collapse = analysis.collapse_table(s)
+    return analysis.per_run_table(s, collapse), collapse
+
+
+def sidebar() -> None:
+    """Tracking URI, experiment picker, Optuna storage, reload; values land in st.session_state."""
+    sb = st.sidebar
+    sb.title("stppo · stability")
+    uri = sb.text_input("MLflow tracking URI", value=default_uri(), key=URI_KEY).strip()
+    try:
+        counts = experiments(uri)
+        st.session_state.pop("store_error", None)
+    except AnalysisError as e:
+        counts = {}
+        st.session_state["store_error"] = str(e)
+    names = list(counts)
+    with_runs = [n for n in names if counts[n] > 0] or names
+    sb.multiselect("Experiments", names, default=with_runs[:1], key=f"{EXP_KEY}::{uri}",
+                   format_func=lambda n: f"{n} ({counts.get(n, 0)} runs)")
+    sb.text_input("Optuna storage URL", value=os.environ.get("OPTUNA_STORAGE") or DEFAULT_STORAGE, key=OPTUNA_KEY)
+    if sb.button("Reload from the store"):
+        st.cache_data.clear()
+
+
+def selection() -> tuple[str, tuple[str, ...]]:
+    uri = str(st.session_state.get(URI_KEY, default_uri())).strip()
+    return uri, tuple(st.session_state.get(f"{EXP_KEY}::{uri}", ()))
+
+
+def current_study() -> analysis.Study | None:
+    """The selected study, or None after putting the reason on the page."""
+    uri, names = selection()
+    if "store_error" in st.session_state:
+        st.warning(f"Cannot read the tracking store: {st.session_state['store_error']}")
+        return None
+    if not names:
+        have = experiments(uri)
+        if not have:
+            st.info(f"The tracking store {uri} has no experiments yet. Run a study (python run.py) and reload.")
+        else:
+            st.info("Choose one or more experiments in the sidebar.")
+        return None
+    try:
+        return study(uri, names)
+    except EmptyExperimentError as e:
+        st.info(f"{e}: nothing to show yet. Runs appear here once the trainer logs them.")
+    except AnalysisError as e:
+        st.warning(str(e))
+    return None
+
+
+def run_label(row: pd.Series) -> str:
+    tail = f" — collapsed at step {int(row['collapse_step'])}" if row.get("collapsed") else ""
+    name = f" · {row['run_name']}" if row.get("run_name") else ""
+    return f"{row['algo']} · {row['model']} · seed {row['seed']}{name}{tail}"
+
+
+def filters(runs: pd.DataFrame, *, key: str, columns: tuple[str, ...] = ("algo", "model", "seed")) -> pd.DataFrame:
+    """Multiselects for preset/model/seed (all selected by default); returns the kept rows."""
+    labels = {"algo": "Preset", "model": "Model", "seed": "Seed", "task": "Task"}
+    cols = st.columns(len(columns))
+    keep = pd.Series(True, index=runs.index)
+    for col, name in zip(cols, columns):
+        options = list(dict.fromkeys(runs[name].astype(str)))
+        chosen = col.multiselect(labels.get(name, name), options, default=options, key=f"{key}:{name}")
+        keep &= runs[name].astype(str).isin(chosen)
+    return runs[keep]
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def pretty(frame: pd.DataFrame) -> pd.DataFrame:
+    """Floats as short strings (NaN as –, whole numbers without decimals) for st.table (HTML)."""
+    out = frame.copy()
+    for col in out.columns:
+        if pd.api.types.is_float_dtype(out[col]):
+            whole = bool(out[col].dropna().map(float.is_integer).all())
+            out[col] = out[col].map(lambda v: fmt_number(v) if not whole or v != v else str(int(v)))
+    return out

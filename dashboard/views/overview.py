@@ -1,0 +1,41 @@
+"""Overview: every run of the selected experiments with status, tags, collapse and final metrics."""
+
+import streamlit as st
+
+import analysis
+from dashboard import common
+
+st.header("Overview")
+study = common.current_study()
+if study is None:
+    st.stop()
+runs, _ = common.run_tables(study.uri, study.experiments)
+kept = common.filters(runs, key="overview")
+if kept.empty:
+    st.info("No run matches the filters.")
+    st.stop()
+
+by_preset = kept.groupby("algo", sort=True)
+parts = [f"{algo}: {common.plural(len(g), 'run')}, {int(g['collapsed'].sum())} collapsed" for algo, g in by_preset]
+st.markdown(f"**{common.plural(len(kept), 'run')}** in {', '.join(study.experiments)} — " + "; ".join(parts))
+
+summary = analysis.preset_table(study, runs=kept)
+table = summary[["algo", "model", "task", "collapsed", "median_collapse_step", "final_success_mean",
+                 "final_success_ci"]].rename(columns={
+    "algo": "preset", "collapsed": "collapsed k/n", "median_collapse_step": "median collapse step",
+    "final_success_mean": "final val success (mean)", "final_success_ci": "± 95% CI"})
+st.table(common.pretty(table), hide_index=True)
+
+columns = ["run_name", "algo", "model", "task", "seed", "status", "collapsed", "collapse_step", "last_step",
+           "final_success", "final_train_success", "peak_grad_norm", "mean_clipfrac", "mean_ppo_kl", "sweep", "git_commit", "run_id"]
+st.subheader("Runs")
+st.dataframe(kept[columns], hide_index=True, width="stretch",
+             column_config={"final_success": st.column_config.NumberColumn("final val success", format="%.3f"),
+                            "peak_grad_norm": st.column_config.NumberColumn(format="%.3f"),
+                            "mean_clipfrac": st.column_config.NumberColumn(format="%.4f"),
+                            "mean_ppo_kl": st.column_config.NumberColumn(format="%.4f")})
+
+st.subheader("Success by preset")
+metrics = study.metrics[study.metrics["run_id"].isin(list(kept["run_id"]))]
+left, _ = st.columns([3, 2])
+left.pyplot(analysis.fig_success_by_preset(metrics))

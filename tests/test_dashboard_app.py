@@ -1,0 +1,120 @@
+"""Every dashboard page through streamlit.testing.v1.AppTest on real stores: runs shown, charts
+drawn, and a message (never a traceback) for an empty store, a missing file or an unreachable server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+from test_analysis_fixtures import EMPTY, KNOWN, closed_port, known_uri  # noqa: F401
+from test_analysis_sweeps import SWEEP, optuna_url  # noqa: F401
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+
+
+@pytest.fixture
+def app(known_uri, optuna_url, tmp_path, monkeypatch):
+    """A fresh AppTest over the known store and the Optuna storage (cleared Streamlit caches)."""
+    monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", known_uri)
+    monkeypatch.setenv("OPTUNA_STORAGE", optuna_url)
+    st.cache_data.clear()
+    return AppTest.from_file(APP, default_timeout=120)
+
+
+def _ok(at: AppTest) -> AppTest:
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _texts(elements) -> str:
+    return " | ".join(str(e.value) for e in elements)
+
+
+def test_overview_lists_the_runs_with_a_chart(app):
+    at = _ok(app.run())
+    assert "**7 runs** in known" in _texts(at.markdown)
+    assert "ppo: 3 runs, 2 collapsed" in _texts(at.markdown) and "st_ppo: 3 runs, 0 collapsed" in _texts(at.markdown)
+    runs = at.dataframe[0].value
+    assert len(runs) == 7 and runs["status"].value_counts().to_dict() == {"FINISHED": 6, "KILLED": 1}
+    table = at.table[0].value
+    assert table.set_index("preset").loc["ppo", "collapsed k/n"] == "2/3"
+    assert len(at.get("image")) == 1
+    _ok(at.multiselect(key="overview:algo").set_value(["st_ppo"]).run())
+    assert "**3 runs** in known" in _texts(at.markdown) and len(at.dataframe[0].value) == 3
+
+
+def test_collapse_page_marks_the_collapse_and_notes_missing_metrics(app):
+    at = _ok(app.run())
+    ids = at.dataframe[0].value.set_index(["algo", "seed"])["run_id"]
+    _ok(at.switch_page("views/collapse.py").run())
+    run = at.selectbox(key="collapse:run")
+    assert len(run.options) == 7
+    assert run.value == ids[("grpo", "0")]  # the earliest collapse comes first (grpo, logged at 5)
+    assert run.options[0].startswith("grpo · tiny · seed 0") and run.options[0].endswith("collapsed at step 5")
+    assert "did not log" in _texts(at.info) and "Collapsed at step 5 of 10." in _texts(at.warning)
+    _ok(run.set_value(ids[("ppo", "0")]).run())
+    assert "Collapsed at step 15 of 20." in _texts(at.warning) and not at.info
+    _ok(at.multiselect(key="collapse:extra").set_value(["clip_bias/norm", "actor/pg_loss_norm"]).run())
+    assert len(at.get("image")) == 1 and at.metric[1].value == "15"
+
+
+def test_compare_page_draws_figures_and_tables(app):
+    at = _ok(app.run())
+    _ok(at.switch_page("views/compare.py").run())
+    assert len(at.get("image")) == 3
+    caption = _texts(at.caption)
+    assert "Welch's two-sided t-test" in caption
+    presets = at.dataframe[0].value.set_index("algo")
+    assert presets.loc["ppo", "collapsed"] == "2/3"
+    at.slider(key="compare:smoothing").set_value(0.5)
+    at.toggle(key="compare:log").set_value(True)
+    _ok(at.multiselect(key="compare:algo").set_value(["ppo"]).run())
+    assert "Choose at least two presets" in _texts(at.info) and len(at.get("image")) == 3
+    assert at.dataframe[0].value["algo"].tolist() == ["ppo"]
+
+
+def test_sweeps_page_shows_trials_with_pruned_marked(app):
+    at = _ok(app.run())
+    _ok(at.switch_page("views/sweeps.py").run())
+    assert f"**4 trials** in {SWEEP} (maximize): 3 complete, 1 pruned" in _texts(at.markdown)
+    assert len(at.get("image")) == 1 and at.dataframe[0].value["pruned"].sum() == 1
+
+
+def test_missing_optuna_storage_is_a_message(app, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTUNA_STORAGE", f"sqlite:///{tmp_path / 'none.db'}")
+    at = _ok(app.run())
+    _ok(at.switch_page("views/sweeps.py").run())
+    assert "Optuna storage not found" in _texts(at.warning)
+
+
+def test_empty_store_is_a_message_on_every_page(app, tmp_path, monkeypatch):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'empty.db'}"
+    mlflow.MlflowClient(tracking_uri=uri).search_experiments()  # a fresh store: only 'Default'
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    at = _ok(app.run())
+    assert "has no runs" in _texts(at.info)
+    for page in ("views/collapse.py", "views/compare.py"):
+        _ok(at.switch_page(page).run())
+        assert "has no runs" in _texts(at.info)
+
+
+def test_empty_experiment_is_a_message(app):
+    at = _ok(app.run())
+    _ok(at.sidebar.multiselect[0].set_value([EMPTY]).run())
+    assert f"experiment '{EMPTY}'" in _texts(at.info) and not at.dataframe
+
+
+@pytest.mark.parametrize("case", ["unreachable", "missing_file"])
+def test_bad_tracking_uri_is_a_warning(app, case, tmp_path, monkeypatch):
+    uri = f"http://127.0.0.1:{closed_port()}" if case == "unreachable" else f"sqlite:///{tmp_path / 'no.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    at = _ok(app.run())
+    expected = "is unreachable" if case == "unreachable" else "tracking store not found"
+    assert expected in _texts(at.warning)
+    _ok(at.switch_page("views/collapse.py").run())
+    assert expected in _texts(at.warning)
