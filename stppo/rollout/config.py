@@ -1,0 +1,28 @@
+"""Settings of the rollout engine (validated at construction; max_turns comes from the env)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_new_tokens: int = 64  # per turn (one generation call)
+    max_total_tokens: int = 1024  # prompt + all turns + observations; beyond it ⇒ truncated
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # argmax instead of sampling (temperature and top_p are then unused)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens!r}; expected an int >= 1")
+        if not isinstance(self.max_total_tokens, int) or self.max_total_tokens < 2:
+            raise ValueError(f"rollout.max_total_tokens={self.max_total_tokens!r}; "
+                             "expected an int >= 2")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature={self.temperature!r}; expected a float > 0 "
+                             "(use greedy=true for argmax decoding)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p!r}; expected 0 < top_p <= 1")
+        if not isinstance(self.greedy, bool):
+            raise ValueError(f"rollout.greedy={self.greedy!r}; expected true or false")

@@ -1,0 +1,52 @@
+"""When does a turn end: after `</search>`, `</answer>` or EOS.
+
+Tokenizers trained by stppo make the tags single special tokens, so the check is a token-id test.
+Pretrained tokenizers (SmolLM2, Qwen) spell a tag with several tokens; then the decoded text of
+the last few ids of the row's current turn is searched for a stop tag. A tag of c characters
+spans at most c tokens (each token contributes at least one of its ASCII characters), and the
+check runs after every token, so a window of max_c ids finds a tag the step it completes.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from stppo.envs.base import STOP_TAGS
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """EOS ids of the tokenizer and, when set, of the model's generation config."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    if extra is not None:
+        ids.update(int(i) for i in (extra if isinstance(extra, (list, tuple)) else [extra]))
+    return sorted(ids)
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_ids: Iterable[int], stop_tags: Sequence[str] = STOP_TAGS):
+        self.tokenizer = tokenizer
+        self.stop_tags = tuple(stop_tags)
+        encoded = [tokenizer.encode(t, add_special_tokens=False) for t in self.stop_tags]
+        self.by_token_id = all(len(e) == 1 for e in encoded)
+        ids = set(int(i) for i in eos_ids)
+        if self.by_token_id:
+            ids.update(e[0] for e in encoded)
+        self.stop_ids = torch.tensor(sorted(ids), dtype=torch.long)
+        self.window = max(len(t) for t in self.stop_tags)
+
+    def hits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B,) sampled ids → (B,) bool: the id itself ends the turn (EOS, or a single-token tag)."""
+        return torch.isin(tokens, self.stop_ids.to(tokens.device))
+
+    def text_hit(self, turn_ids: list[int]) -> bool:
+        """Whether the decoded tail of the turn contains a stop tag (multi-token tags only)."""
+        if self.by_token_id:
+            return False
+        tail = self.tokenizer.decode(turn_ids[-self.window:], skip_special_tokens=False)
+        return any(tag in tail for tag in self.stop_tags)
