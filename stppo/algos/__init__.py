@@ -1,0 +1,34 @@
+"""stppo.algos — every equation of DESIGN.md §2 as pure torch functions (no I/O, no .item()).
+
+Entry point: `policy_loss(...) -> (loss, metrics)`. Registries (unknown names list the valid
+ones): RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, PRESETS.
+"""
+
+from stppo.algos.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, grpo_advantages,
+                                    masked_whiten, turn_gae)
+from stppo.algos.aggregation import LOSS_AGGS, agg_denoms, agg_loss, agg_weights
+from stppo.algos.clip_bias import (CORRECTIONS, DEFAULT_TAU, Correction, clip_bias_grad_norm,
+                                   clip_bias_norm, clip_bias_term, clip_triggered_ratio,
+                                   pg_loss_norm, resolve_correction, sequence_clip_bias_norm)
+from stppo.algos.entropy import entropy_from_logits, token_log_probs
+from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
+from stppo.algos.loss import policy_loss
+from stppo.algos.presets import DEFAULT_LOSS_AGG, PRESETS, Preset, register_preset
+from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
+                                token_ratio, turn_ratio)
+from stppo.algos.registry import Registry, UnknownNameError
+from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, surrogate_parts
+from stppo.algos.value import explained_variance, value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "DEFAULT_LOSS_AGG", "DEFAULT_TAU", "KL_ESTIMATORS",
+    "LOSS_AGGS", "PRESETS", "RATIO_LEVELS", "Correction", "Preset", "Registry", "Surrogate",
+    "SurrogateParts", "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights",
+    "clip_bias_grad_norm", "clip_bias_norm",
+    "clip_bias_term", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages",
+    "entropy_from_logits", "explained_variance", "gae", "grpo_advantages", "importance_ratio",
+    "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten", "pg_loss_norm",
+    "policy_loss", "register_preset", "resolve_correction", "sequence_clip_bias_norm",
+    "sequence_ratio", "surrogate_parts", "token_log_probs", "token_ratio", "turn_gae", "turn_ratio",
+    "value_loss",
+]

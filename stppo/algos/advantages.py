@@ -1,0 +1,165 @@
+"""Advantage estimators (DESIGN.md §2, "Advantages"); no gradient flows through them.
+
+GAE over agent tokens only. Let t_1 < t_2 < … < t_L be row i's agent positions (m = 1). Then
+    δ_j = r_{t_j} + γ V_{t_{j+1}} − V_{t_j}          (V_{t_{L+1}} = 0)
+    A_{t_j} = δ_j + γλ A_{t_{j+1}},   R_{t_j} = A_{t_j} + V_{t_j}
+i.e. the recursion skips prompt / observation / padding positions: the "next value" of an agent
+token is the value at the next agent token of the same row. `values[:, t]` is the critic's
+estimate for the state in which token t is generated (aligned like log_probs); values and rewards
+off agent tokens have no effect (rewards belong on agent tokens: the outcome at the last one).
+
+GRPO (group-relative): A_i = (R_i − mean_g R) / (std_g R + ε) with the *unbiased* std (as verl's
+torch.std), 0 for groups of one, broadcast to the trajectory's agent tokens.
+
+Turn-level GAE (option): one step per turn — the turn's reward is the sum of its tokens' rewards
+(the outcome lands in the last turn), its value is the value at the turn's first agent token; γ
+and λ apply per turn; advantages and returns are broadcast to the turn's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from stppo.algos.registry import Registry
+
+WHITEN_EPS = 1e-8
+
+
+@torch.no_grad()
+def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (N, T) and 0 off agent tokens; see the module docstring.
+
+    Agent tokens are compressed to the left of each row (a stable sort of ~mask), so the
+    backward scan runs over the longest row's agent-token count, vectorised over rows.
+    """
+    n, t = loss_mask.shape
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    adv = torch.zeros(n, t, dtype=dtype, device=values.device)
+    length = int(loss_mask.sum(dim=1).max()) if loss_mask.numel() else 0
+    if length == 0:
+        return adv, adv.clone()
+    order = torch.sort((~loss_mask).to(torch.uint8), dim=1, stable=True).indices[:, :length]
+    m_c = loss_mask.gather(1, order)  # (N, L) True then False per row
+    r_c = torch.where(m_c, rewards.gather(1, order).to(dtype), 0.0)  # (N, L)
+    v_c = torch.where(m_c, values.gather(1, order).to(dtype), 0.0)  # (N, L)
+    v_next = torch.nn.functional.pad(v_c[:, 1:], (0, 1))  # (N, L), 0 after the last agent token
+    deltas = r_c + gamma * v_next - v_c  # (N, L), 0 on the padded tail
+    adv_c = torch.empty_like(deltas)
+    last = torch.zeros(n, dtype=dtype, device=values.device)  # (N,)
+    for j in range(length - 1, -1, -1):  # scan over time, vectorised over rows
+        last = deltas[:, j] + (gamma * lam) * last
+        adv_c[:, j] = last
+    adv.scatter_(1, order, torch.where(m_c, adv_c, 0.0))
+    returns = torch.where(loss_mask, adv + torch.where(loss_mask, values.to(dtype), 0.0), 0.0)
+    return adv, returns
+
+
+@torch.no_grad()
+def masked_whiten(x: torch.Tensor, loss_mask: torch.Tensor,
+                  shift_mean: bool = True) -> torch.Tensor:
+    """(x − μ) / sqrt(σ² + 1e-8) over agent tokens (σ² unbiased, as verl); + μ back if not
+    `shift_mean`. (N, T), 0 off agent tokens."""
+    xm = torch.where(loss_mask, x, 0.0)  # (N, T)
+    n = loss_mask.sum().to(xm.dtype)
+    mean = xm.sum() / n.clamp(min=1)
+    var = torch.where(loss_mask, (xm - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    out = (xm - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(loss_mask, out, 0.0)
+
+
+@torch.no_grad()
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, loss_mask: torch.Tensor,
+                    eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+    """(R_i − mean_g) / (std_g + ε) per trajectory (unbiased std), or R_i − mean_g if not
+    `norm_by_std`; 0 for groups of size 1; broadcast to agent tokens. scores, group_ids (N,)."""
+    n = loss_mask.shape[0]
+    if scores.dim() != 1 or group_ids.shape != scores.shape or scores.shape[0] != n:
+        raise ValueError(f"scores and group_ids must have shape (N,) with N = loss_mask rows; got "
+                         f"{tuple(scores.shape)}, {tuple(group_ids.shape)}, "
+                         f"{tuple(loss_mask.shape)}")
+    r = scores.to(torch.float32) if not scores.is_floating_point() else scores
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (N,) contiguous group index
+    g = int(inv.max()) + 1 if inv.numel() else 0
+    count = r.new_zeros(g).index_add_(0, inv, torch.ones_like(r))  # (G,)
+    mean = r.new_zeros(g).index_add_(0, inv, r) / count  # (G,)
+    dev = r - mean[inv]  # (N,)
+    var = r.new_zeros(g).index_add_(0, inv, dev.square()) / (count - 1).clamp(min=1)  # (G,)
+    adv = dev / (var.sqrt()[inv] + eps) if norm_by_std else dev  # (N,)
+    adv = torch.where(count[inv] > 1, adv, 0.0)
+    return torch.where(loss_mask, adv.unsqueeze(1), 0.0)  # (N, T)
+
+
+@torch.no_grad()
+def turn_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
+             turn_ids: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns (see the module docstring); (advantages, returns) (N, T)."""
+    n, t = loss_mask.shape
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    if not loss_mask.any():
+        z = torch.zeros(n, t, dtype=dtype, device=values.device)
+        return z, z.clone()
+    tid = torch.where(loss_mask, turn_ids, 0)  # (N, T)
+    k = int(tid.max()) + 1
+    seg = (torch.arange(n, device=tid.device).unsqueeze(1) * k + tid)[loss_mask]  # (M,)
+    r_turn = torch.zeros(n * k, dtype=dtype, device=values.device).index_add_(
+        0, seg, rewards[loss_mask].to(dtype)).view(n, k)  # (N, K)
+    pos = torch.arange(t, device=tid.device).expand(n, t)[loss_mask]  # (M,)
+    first = torch.full((n * k,), t, device=tid.device).scatter_reduce_(
+        0, seg, pos, reduce="amin").view(n, k)  # (N, K) first agent position of each turn
+    turn_mask = first < t  # (N, K)
+    v_turn = torch.where(turn_mask, values.gather(1, first.clamp(max=t - 1)).to(dtype), 0.0)
+    adv_turn, ret_turn = gae(r_turn, v_turn, turn_mask, gamma, lam)  # (N, K)
+    adv = torch.where(loss_mask, adv_turn.gather(1, tid), 0.0)
+    returns = torch.where(loss_mask, ret_turn.gather(1, tid), 0.0)
+    return adv, returns
+
+
+# --- registry: one signature ---------------------------------------------------------------------
+# estimator(*, loss_mask, turn_ids, rewards, values, scores, group_ids, gamma, lam, eps,
+#           norm_by_std, whiten) -> (advantages (N, T), returns (N, T))
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
+    "advantage")
+
+
+def _need(name: str, **inputs: Optional[torch.Tensor]) -> None:
+    missing = [k for k, v in inputs.items() if v is None]
+    if missing:
+        raise ValueError(f"advantage={name!r} needs {', '.join(missing)} (got None)")
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae_estimator(*, loss_mask, rewards, values, gamma, lam, whiten, **_):
+    _need("gae", rewards=rewards, values=values)
+    adv, ret = gae(rewards, values, loss_mask, gamma, lam)
+    return (masked_whiten(adv, loss_mask) if whiten else adv), ret
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo_estimator(*, loss_mask, scores, group_ids, eps, norm_by_std, **_):
+    _need("grpo", scores=scores, group_ids=group_ids)
+    adv = grpo_advantages(scores, group_ids, loss_mask, eps, norm_by_std)
+    return adv, adv.clone()  # no critic: returns = advantages (as verl)
+
+
+@ADVANTAGE_ESTIMATORS.register("turn_gae")
+def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, lam, whiten, **_):
+    _need("turn_gae", rewards=rewards, values=values, turn_ids=turn_ids)
+    adv, ret = turn_gae(rewards, values, loss_mask, turn_ids, gamma, lam)
+    return (masked_whiten(adv, loss_mask) if whiten else adv), ret
+
+
+def compute_advantages(name: str, *, loss_mask: torch.Tensor, turn_ids=None, rewards=None,
+                       values=None, scores=None, group_ids=None, gamma: float = 1.0,
+                       lam: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
+                       whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch to ADVANTAGE_ESTIMATORS[name]; GAE-based ones whiten over agent tokens when
+    `whiten` (DESIGN.md §2). Returns (advantages, returns), (N, T)."""
+    fn = ADVANTAGE_ESTIMATORS[name]
+    return fn(loss_mask=loss_mask, turn_ids=turn_ids, rewards=rewards, values=values,
+              scores=scores, group_ids=group_ids, gamma=gamma, lam=lam, eps=eps,
+              norm_by_std=norm_by_std, whiten=whiten)
