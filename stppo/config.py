@@ -9,6 +9,7 @@ Torch-free: importing this module is cheap.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -35,7 +36,7 @@ def _check(cond: bool, msg: str) -> None:
 @dataclass
 class CorrectionConfig:
     kind: str = "none"
-    tau: float = 1.0
+    tau: Optional[float] = None  # None: the correction's default (stppo.algos.DEFAULT_TAU)
     estimator: str = "token"  # token | grad
     granularity: str = "batch"  # batch | sequence
 
@@ -43,7 +44,11 @@ class CorrectionConfig:
         _one_of("algo.correction.kind", self.kind, CORRECTIONS)
         _one_of("algo.correction.estimator", self.estimator, ("token", "grad"))
         _one_of("algo.correction.granularity", self.granularity, ("batch", "sequence"))
-        _check(self.tau > 0, f"algo.correction.tau must be > 0, got {self.tau}")
+        if self.tau is None and self.kind != "none":
+            from stppo.algos import DEFAULT_TAU
+
+            self.tau = DEFAULT_TAU[self.kind]
+        _check(self.tau is None or self.tau > 0, f"algo.correction.tau must be > 0, got {self.tau}")
         _check(not (self.estimator == "grad" and self.granularity == "sequence"),
                "algo.correction.estimator=grad supports granularity=batch only")
 
@@ -174,6 +179,7 @@ class TrainerConfig:
     questions_per_step: int = 16
     group_size: int = 4  # samples per question (GRPO groups; also used by GAE presets)
     ppo_epochs: int = 1
+    critic_warmup: int = 0  # first steps train only the critic (GAE presets), as in verl
     minibatch_size: int = 64  # trajectories per optimizer step
     actor_lr: float = 1e-4
     critic_lr: float = 1e-3
@@ -219,6 +225,7 @@ class TrackingConfig:
     sweep: str = ""  # sweep name tag ('' outside sweeps)
     enabled: bool = True
     buffer_dir: str = ".stppo_buffer"  # metrics kept here while the server is unreachable
+    tags: dict[str, str] = field(default_factory=dict)  # extra run tags (sweeps: study, trial)
 
 
 @dataclass
@@ -236,7 +243,8 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="stppo_schema", node=Config)
+    if "stppo_schema.yaml" not in cs.repo:
+        cs.store(name="stppo_schema", node=Config)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:
@@ -247,3 +255,18 @@ def to_config(cfg: DictConfig | dict) -> Config:
     if not isinstance(obj, Config):  # composed without the schema
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
     return obj
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
+    """Compose `conf/` with Hydra overrides outside `run.py` (tests, benchmarks, notebooks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR)):
+        return hydra_compose(config_name, overrides=list(overrides))

@@ -41,7 +41,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 @torch.no_grad()
 def explained_variance(values: torch.Tensor, returns: torch.Tensor,
                        loss_mask: torch.Tensor) -> torch.Tensor:
-    """1 − Var(R − V) / Var(R) over agent tokens (detached 0-d; 0 when Var(R) = 0)."""
+    """1 − Var(R − V) / Var(R) over agent tokens (detached 0-d; 0 when Var(R) ≈ 0, e.g. a batch
+    whose rewards are all equal: the ratio is then float noise, not a statistic)."""
     n = loss_mask.sum().clamp(min=1)
     r = torch.where(loss_mask, returns, 0.0)
     d = torch.where(loss_mask, returns - values, 0.0)
@@ -51,4 +52,4 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor,
         return torch.where(loss_mask, (x - mean).square(), 0.0).sum() / n
 
     var_r = var(r)
-    return torch.where(var_r > 0, 1.0 - var(d) / var_r.clamp(min=1e-12), torch.zeros_like(var_r))
+    return torch.where(var_r > 1e-8, 1.0 - var(d) / var_r.clamp(min=1e-8), torch.zeros_like(var_r))

@@ -13,6 +13,7 @@ under `cache_dir("bm25", content_hash(corpus, settings))` and reloaded on the ne
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ import numpy as np
 from stppo.cache import cache_dir, content_hash
 from stppo.envs.actions import doc_from_contents
 from stppo.envs.base import Doc, Retriever
+
+logging.getLogger("bm25s").setLevel(logging.WARNING)  # its index-building DEBUG lines are noise
 
 _INDEX_VERSION = 1  # bump when tokenisation or the index layout changes
 _WORD = re.compile(r"(?u)\b\w\w+\b")

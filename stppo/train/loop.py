@@ -167,7 +167,10 @@ class Trainer:
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
-        metrics.update(actor_update(c.policy, self.actor_opt, batch, self.ctx))
+        if c.critic is None or step > cfg.trainer.critic_warmup:
+            metrics.update(actor_update(c.policy, self.actor_opt, batch, self.ctx))
+        else:
+            metrics[K.SKIPPED_STEPS] = 0.0
         if c.critic is not None:
             metrics.update(critic_update(c.critic, self.critic_opt, batch, self.ctx))
         metrics.update(env_metrics(batch))

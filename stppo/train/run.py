@@ -33,7 +33,8 @@ def git_commit() -> str:
 
 def run_tags(cfg: Config) -> dict[str, str]:
     return {K.TAG_ALGO: cfg.algo.name, K.TAG_MODEL: cfg.model.name, K.TAG_TASK: cfg.task.name,
-            K.TAG_SEED: str(cfg.seed), K.TAG_SWEEP: cfg.tracking.sweep, K.TAG_GIT_COMMIT: git_commit()}
+            K.TAG_SEED: str(cfg.seed), K.TAG_SWEEP: cfg.tracking.sweep, K.TAG_GIT_COMMIT: git_commit(),
+            **cfg.tracking.tags}
 
 
 class Terminated(Exception):

@@ -40,7 +40,7 @@ def device_of(cfg: Config) -> torch.device:
 
 def build_env(cfg: Config, task: Task, tokenizer=None) -> SearchEnv:
     r = cfg.task.retriever
-    opts = {"url": r.url, "timeout": r.timeout_s, "retries": r.retries} if r.kind == "http" else {}
+    opts = {"url": r.url, "timeout_s": r.timeout_s, "retries": r.retries} if r.kind == "http" else {}
     retriever = build_retriever(r.kind, corpus=task.corpus, **opts)
     return SearchEnv.for_task(task, retriever, max_turns=cfg.task.max_turns, topk=r.topk,
                               prompt_style=cfg.task.prompt_style, tokenizer=tokenizer)

@@ -59,7 +59,7 @@ def train_sft(policy, tokenizer, episodes, ws: WarmStartConfig, *, seed: int,
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     policy.eval()
     return losses
