@@ -6,10 +6,24 @@ observation segments, then padding. Prints, each on its own line:
                               clip_bias_norm correction) ÷ the token-level PPO loss (goal ≤ 1.25)
     loop_over_vectorised: Y   forward+backward of a naive per-turn Python-loop turn ratio ÷ the
                               library's vectorised turn ratio (goal ≥ 20)
-and the raw timings (medians over interleaved repeats after a warm-up) on other lines. The loss
-timings are taken with the allocator in the state of a training process (see `main`); the
-`fresh_process_*` lines give the same measurement taken first, in the fresh process.
-Run: `OMP_NUM_THREADS=1 python benchmarks/bench_algos.py [--repeats R]` (≈ 5 s).
+and the raw timings on other lines. Times are medians over repeats after a warm-up, the
+functions called in a fresh random order each round, of the process's CPU time: torch runs on one
+thread here, so on an idle machine that is the wall time, while on a shared machine every
+preemption adds a whole time slice (~4 ms here, longer than a call) to the call it lands in —
+measured at a load of 3.5 on 2 cores, about half the calls got one and wall-clock ratios ranged
+from 0.7 to 2.5 between runs, CPU-time ratios within ±0.02. Wall-clock figures: `*_wall`.
+
+Process state. The loss allocates (N, T) temporaries of 0.5–1 MB. glibc serves blocks above its
+mmap threshold (128 KB at start) with fresh mmap'd pages — hundreds of page faults per loss call
+— but raises the threshold to the size of any mmap'd block freed, up to 32 MB, and then serves
+such blocks from the heap. A training process has freed far larger blocks before its first loss
+(the policy forward/backward that produces log_probs, rollout KV caches grown by concatenation):
+measured here, after one forward/backward of the `tiny` Qwen2 policy over a 64×512 minibatch, a
+loss call causes no page fault. So `st_ppo_over_ppo` and the `*_fwd_bwd_ms` lines are measured
+after a stand-in of that step (`policy_step_standin`), and `faults_per_call` shows the state. The
+same measurement taken first, before anything large was freed, is printed as `fresh_process_*`
+for comparison; it is noisier (page faults cost kernel time).
+Run: `OMP_NUM_THREADS=1 python benchmarks/bench_algos.py [--repeats R]` (≈ 7 s).
 """
 
 from __future__ import annotations
@@ -19,6 +33,11 @@ import random
 import statistics
 import time
 from typing import Callable
+
+try:
+    import resource  # page-fault counts (POSIX)
+except ImportError:  # pragma: no cover
+    resource = None
 
 import torch
 
@@ -60,28 +79,48 @@ def naive_turn_ratio(log_probs, old_log_probs, loss_mask, turn_ids) -> torch.Ten
     return ratio
 
 
-def timed(fn: Callable[[], None], warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+def policy_step_standin(rows: int = 4, hidden: int = 96, vocab: int = 1500) -> None:
+    """One forward/backward of a toy causal-LM policy (the `tiny` preset's width and vocabulary:
+    embedding, one MLP block, tied output head, next-token log-probs) over a (rows, T)
+    micro-batch: the step a trainer runs before every policy loss, which allocates and frees
+    activations of 3–50 MB."""
+    g = torch.Generator().manual_seed(1)
+    emb = torch.nn.Embedding(vocab, hidden)
+    mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                              torch.nn.Linear(4 * hidden, hidden))
+    ids = torch.randint(0, vocab, (rows, T), generator=g)
+    h = emb(ids)  # (rows, T, hidden)
+    h = h + mlp(h)
+    log_p = torch.log_softmax(h @ emb.weight.T, dim=-1)  # (rows, T, vocab)
+    log_p[:, :-1].gather(-1, ids[:, 1:, None]).sum().backward()
 
 
-def interleaved(fns: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds per call. Rounds alternate between the functions (in turn-reversed order)
-    so that load from other processes on the machine hits all of them alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+def interleaved(fns: dict[str, Callable[[], None]], warmup: int,
+                repeats: int) -> dict[str, dict[str, float]]:
+    """Per function: median process CPU seconds (`cpu`), wall seconds (`wall`) and minor page
+    faults (`faults`) per call. Each round calls every function once, in a fresh random order,
+    so that load from other processes hits all of them alike (a fixed alternation can beat with
+    the scheduler's period and charge every preemption to the same function)."""
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {"wall": [], "cpu": [], "faults": []} for k in fns}
     for fn in fns.values():
-        timed(fn, warmup, 0)
-    order = list(fns)
-    for r in range(repeats):
-        for k in (order if r % 2 == 0 else order[::-1]):
-            times[k] += timed(fns[k], 0, 1)
-    return {k: statistics.median(v) for k, v in times.items()}
+        for _ in range(warmup):
+            fn()
+    order, rng = list(fns), random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for k in order:
+            f0, c0, t0 = _faults(), time.process_time(), time.perf_counter()
+            fns[k]()
+            s = samples[k]
+            s["wall"].append(time.perf_counter() - t0)
+            s["cpu"].append(time.process_time() - c0)
+            s["faults"].append(_faults() - f0)
+    return {k: {m: statistics.median(v) for m, v in s.items()} for k, s in samples.items()}
 
 
 def main() -> None:
@@ -123,26 +162,26 @@ def main() -> None:
     print(f"layout: N={N} T={T} agent_tokens={int(b['loss_mask'].sum())} turns={turns} "
           f"loop_matches_vectorised={same}")
 
-    # A fresh process returns freed (N, T) buffers to the OS and page-faults them back on every
-    # call; a training process has freed far larger buffers (logits, activations), after which
-    # glibc keeps buffers below its raised mmap threshold (up to 32 MB) on the heap. The main
-    # figure is measured in that state, reached by freeing one 16 MB buffer; the fresh-process
-    # figure is printed too.
+    # First in the fresh process, then after a stand-in policy step (see the module docstring).
     cold = interleaved({"ppo": ppo, "st_ppo": st_ppo}, args.warmup, args.repeats)
-    del_me = torch.empty(4 * 2**20)
-    del del_me
+    policy_step_standin()
     t = interleaved({"ppo": ppo, "st_ppo": st_ppo}, args.warmup, args.repeats)
-    print(f"ppo_fwd_bwd_ms: {t['ppo'] * 1e3:.3f}")
-    print(f"st_ppo_fwd_bwd_ms: {t['st_ppo'] * 1e3:.3f}")
-    print(f"fresh_process_ppo_fwd_bwd_ms: {cold['ppo'] * 1e3:.3f}")
-    print(f"fresh_process_st_ppo_fwd_bwd_ms: {cold['st_ppo'] * 1e3:.3f}")
-    print(f"fresh_process_st_ppo_over_ppo: {cold['st_ppo'] / cold['ppo']:.3f}")
+    print(f"ppo_fwd_bwd_ms: {t['ppo']['cpu'] * 1e3:.3f}")
+    print(f"st_ppo_fwd_bwd_ms: {t['st_ppo']['cpu'] * 1e3:.3f}")
+    print(f"st_ppo_over_ppo_wall: {t['st_ppo']['wall'] / t['ppo']['wall']:.3f}")
+    print(f"faults_per_call: ppo={t['ppo']['faults']:.0f} st_ppo={t['st_ppo']['faults']:.0f} "
+          f"fresh_process: ppo={cold['ppo']['faults']:.0f} st_ppo={cold['st_ppo']['faults']:.0f}")
+    print(f"fresh_process_ppo_fwd_bwd_ms: {cold['ppo']['cpu'] * 1e3:.3f}")
+    print(f"fresh_process_st_ppo_fwd_bwd_ms: {cold['st_ppo']['cpu'] * 1e3:.3f}")
+    print(f"fresh_process_st_ppo_over_ppo: {cold['st_ppo']['cpu'] / cold['ppo']['cpu']:.3f}")
+    print(f"fresh_process_st_ppo_over_ppo_wall: "
+          f"{cold['st_ppo']['wall'] / cold['ppo']['wall']:.3f}")
     t2 = interleaved({"loop": ratio_fwd_bwd(naive_turn_ratio), "vec": ratio_fwd_bwd(vectorised)},
                      max(1, args.warmup // 2), max(3, args.repeats // 5))
-    print(f"loop_turn_ratio_fwd_bwd_ms: {t2['loop'] * 1e3:.3f}")
-    print(f"vectorised_turn_ratio_fwd_bwd_ms: {t2['vec'] * 1e3:.3f}")
-    print(f"st_ppo_over_ppo: {t['st_ppo'] / t['ppo']:.3f}")
-    print(f"loop_over_vectorised: {t2['loop'] / t2['vec']:.1f}")
+    print(f"loop_turn_ratio_fwd_bwd_ms: {t2['loop']['cpu'] * 1e3:.3f}")
+    print(f"vectorised_turn_ratio_fwd_bwd_ms: {t2['vec']['cpu'] * 1e3:.3f}")
+    print(f"st_ppo_over_ppo: {t['st_ppo']['cpu'] / t['ppo']['cpu']:.3f}")
+    print(f"loop_over_vectorised: {t2['loop']['cpu'] / t2['vec']['cpu']:.1f}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ def _session_cache(tmp_path_factory):
 # reaches ~0.4 greedy / ~0.2 sampled success (so groups have mixed outcomes), two RL steps.
 TINY_OVERRIDES = [
     "model=tiny",
-    "task.options.n_sft=200", "task.options.n_train=100", "task.options.n_val=16",
+    "task.options.n_people=180", "task.options.n_cities=60", "task.options.n_countries=15",
+    "task.options.n_orgs=45", "task.options.n_distractors=300", "task.options.n_sft=200", "task.options.n_train=100", "task.options.n_val=16",
     "task.options.n_test=16", "task.options.hop_mix=[1.0,0.0,0.0]",
     "trainer.total_steps=2", "trainer.questions_per_step=4", "trainer.group_size=4",
     "trainer.minibatch_size=8", "trainer.val_every=0", "trainer.val_questions=16",

@@ -130,3 +130,38 @@ def test_warm_start_is_cached_and_shared_across_presets_and_seeds(tiny_cfg, monk
     for pa, pb in zip(a.policy.parameters(), b.policy.parameters()):
         assert torch.equal(pa, pb)
     assert a.warmstart_loss == b.warmstart_loss
+
+
+@pytest.mark.parametrize("algo", ["grpo", "st_ppo"])
+def test_update_moves_likelihood_in_the_direction_of_the_advantage(tiny_cfg, algo):
+    """End to end through rollout → prepare → actor update: trajectories with positive advantage
+    become more likely, those with negative advantage less likely."""
+    from dataclasses import replace
+
+    from stppo.models import policy_log_probs
+    from stppo.rollout import rollout
+    from stppo.train.loop import rollout_config
+    from stppo.train.prepare import prepare_batch
+    from stppo.train.update import UpdateContext, actor_update
+
+    cfg = to_config(tiny_cfg(f"algo={algo}", "tracking.enabled=false", "trainer.questions_per_step=8"))
+    c = build_components(cfg, progress=False)
+    qs = [q for q in c.task.split("train")[:8] for _ in range(4)]
+    batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg),
+                    generator=torch.Generator().manual_seed(0))
+    batch, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo)
+
+    def seq_log_probs():
+        with torch.no_grad():
+            lp = policy_log_probs(c.policy, batch.input_ids, batch.attention_mask)
+        return torch.where(batch.loss_mask, lp, 0.0).sum(1)
+
+    before = seq_log_probs()
+    opt = torch.optim.AdamW(c.policy.parameters(), lr=3e-4)
+    tr = replace(cfg.trainer, minibatch_size=len(batch), ppo_epochs=1)
+    actor_update(c.policy, opt, batch, UpdateContext(cfg.algo, tr, torch.Generator().manual_seed(0)))
+    moved = seq_log_probs() - before
+    adv = torch.where(batch.loss_mask, batch.advantages, 0.0).sum(1) / batch.loss_mask.sum(1)
+    pos, neg = adv > 0.1, adv < -0.1
+    assert pos.any() and neg.any()
+    assert moved[pos].mean() > 0 > moved[neg].mean()

@@ -7,7 +7,8 @@ With m the loss mask, |y_i| = Σ_t m_{i,t}, D_tok = Σ_{i,t} m_{i,t} and D_seq =
     seq-mean-token-sum:   (1/D_seq) Σ_i Σ_t m v
 
 Each mode is a fixed per-token weight: agg(v) = Σ_{i,t} w_{i,t} v_{i,t} with w = m/D_tok,
-m/(|y_i| D_seq) or m/D_seq (`agg_weights`), so one set of weights serves every term of a loss.
+m/(|y_i| D_seq) or m/D_seq (`agg_weights`), so one set of weights serves every term of a loss;
+each is the mask times a per-trajectory factor c_i (`agg_row_weights`).
 Trajectories without agent tokens contribute nothing and are not counted. Under data parallelism
 or gradient accumulation pass `global_denoms = (D_tok, D_seq)` summed over all shards
 (`agg_denoms` of each shard, all-reduced): each shard's loss is then its share of the whole-batch
@@ -25,7 +26,7 @@ from stppo.algos.registry import Registry
 Denom = Union[torch.Tensor, float, int]
 GlobalDenoms = Optional[Sequence[Denom]]
 
-# mode -> fn(mf (N, T) 0/1 float, lengths (N,) = |y_i|, denoms) -> weights (N, T)
+# mode -> fn(lengths (N,) = |y_i| as floats, denoms) -> row weights c (N,): w_{i,t} = m_{i,t} c_i
 LOSS_AGGS: Registry[Callable[..., torch.Tensor]] = Registry("loss_agg")
 
 
@@ -41,22 +42,20 @@ def _inv(count: Denom, like: torch.Tensor) -> torch.Tensor:
 
 
 @LOSS_AGGS.register("token-mean")
-def _token_mean(mf: torch.Tensor, lengths: torch.Tensor, denoms: GlobalDenoms) -> torch.Tensor:
-    return mf * _inv(lengths.sum() if denoms is None else denoms[0], mf)
+def _token_mean(lengths: torch.Tensor, denoms: GlobalDenoms) -> torch.Tensor:
+    return _inv(lengths.sum() if denoms is None else denoms[0], lengths).expand(lengths.shape)
 
 
 @LOSS_AGGS.register("seq-mean-token-mean")
-def _seq_mean_token_mean(mf: torch.Tensor, lengths: torch.Tensor,
-                         denoms: GlobalDenoms) -> torch.Tensor:
+def _seq_mean_token_mean(lengths: torch.Tensor, denoms: GlobalDenoms) -> torch.Tensor:
     n_seq = (lengths > 0).sum() if denoms is None else denoms[1]
-    per_row = _inv(n_seq, mf) / lengths.clamp(min=1.0)  # (N,) 1 / (|y_i| D_seq)
-    return mf * per_row.unsqueeze(1)
+    return _inv(n_seq, lengths) / lengths.clamp(min=1.0)  # (N,) 1 / (|y_i| D_seq)
 
 
 @LOSS_AGGS.register("seq-mean-token-sum")
-def _seq_mean_token_sum(mf: torch.Tensor, lengths: torch.Tensor,
-                        denoms: GlobalDenoms) -> torch.Tensor:
-    return mf * _inv((lengths > 0).sum() if denoms is None else denoms[1], mf)
+def _seq_mean_token_sum(lengths: torch.Tensor, denoms: GlobalDenoms) -> torch.Tensor:
+    n_seq = (lengths > 0).sum() if denoms is None else denoms[1]
+    return _inv(n_seq, lengths).expand(lengths.shape)
 
 
 def mask_float(loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,17 +64,25 @@ def mask_float(loss_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
         (loss_mask != 0).to(dtype)
 
 
-def agg_weights(loss_mask: torch.Tensor, mode: str, global_denoms: GlobalDenoms = None,
-                dtype: torch.dtype = torch.float32, mf: Optional[torch.Tensor] = None,
-                ) -> torch.Tensor:
-    """The per-token weights w (N, T) of `mode`: agg(v) = Σ w v; 0 off agent tokens, no grad."""
+def agg_row_weights(mf: torch.Tensor, mode: str, global_denoms: GlobalDenoms = None,
+                    lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The per-trajectory factor c (N,) of `mode`, w_{i,t} = m_{i,t} c_i, from the 0/1 mask `mf`
+    (N, T) (or its row sums `lengths` (N,)); no grad. Every mode's weight is of this form."""
     fn = LOSS_AGGS[mode]
     if global_denoms is not None and len(global_denoms) != 2:
         raise ValueError("global_denoms must be a pair (total agent tokens, total trajectories "
                          f"with >= 1 agent token), got {len(global_denoms)} values")
     with torch.no_grad():
+        return fn(mf.sum(dim=1) if lengths is None else lengths, global_denoms)
+
+
+def agg_weights(loss_mask: torch.Tensor, mode: str, global_denoms: GlobalDenoms = None,
+                dtype: torch.dtype = torch.float32, mf: Optional[torch.Tensor] = None,
+                ) -> torch.Tensor:
+    """The per-token weights w (N, T) of `mode`: agg(v) = Σ w v; 0 off agent tokens, no grad."""
+    with torch.no_grad():
         mf = mask_float(loss_mask, dtype) if mf is None else mf
-        return fn(mf, mf.sum(dim=1), global_denoms)
+        return mf * agg_row_weights(mf, mode, global_denoms).unsqueeze(1)
 
 
 def weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

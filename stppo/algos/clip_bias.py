@@ -19,6 +19,7 @@ Norms and λ use this call's own denominators (a per-minibatch / per-micro-batch
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, NamedTuple, Optional
@@ -116,7 +117,7 @@ def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped:
 class ClipContext:
     """What a correction may look at; built once per `policy_loss` call."""
 
-    ratio: torch.Tensor  # (N, T) live ρ (with graph)
+    ratio: torch.Tensor  # (N, T) ρ; with graph at token/sequence level and for estimator 'grad'
     advantages: torch.Tensor  # (N, T) A, 0 off agent tokens
     clipped: torch.Tensor  # (N, T) bool κ
     loss_mask: torch.Tensor  # (N, T) bool
@@ -166,6 +167,23 @@ class Correction:
 
 
 _FIELDS = tuple(f.name for f in fields(Correction))
+_FIELD_SET = frozenset(_FIELDS)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_correction(key: tuple) -> Correction:
+    return Correction(**{name: value for name, _, value in key})
+
+
+def _correction(values: dict) -> Correction:
+    """Correction(**values), validated once per distinct spec: a trainer passes the same spec on
+    every call, and building and validating it costs as much as the scale it computes. The key
+    holds each value's type, so True never reuses the entry of 1."""
+    key = tuple((name, type(value), value) for name, value in values.items())
+    try:
+        return _cached_correction(key)
+    except TypeError:  # an unhashable value: build (and fail validation) uncached
+        return Correction(**values)
 
 
 def resolve_correction(spec: Any) -> Optional[Correction]:
@@ -176,13 +194,13 @@ def resolve_correction(spec: Any) -> Optional[Correction]:
     if isinstance(spec, Correction):
         out = spec
     elif hasattr(spec, "keys"):
-        extra = sorted(set(spec.keys()) - set(_FIELDS))
-        if extra:
+        if not _FIELD_SET.issuperset(spec.keys()):
+            extra = sorted(set(spec.keys()) - _FIELD_SET)
             raise ValueError(f"correction has unknown fields {extra}; "
                              f"expected: {', '.join(_FIELDS)}")
-        out = Correction(**{k: spec[k] for k in spec.keys()})
+        out = _correction({k: spec[k] for k in spec.keys()})
     elif hasattr(spec, "kind"):
-        out = Correction(**{k: getattr(spec, k) for k in _FIELDS if hasattr(spec, k)})
+        out = _correction({k: getattr(spec, k) for k in _FIELDS if hasattr(spec, k)})
     else:
         raise ValueError(f"correction must be None, a mapping or an object with fields "
                          f"{', '.join(_FIELDS)}; got {type(spec).__name__}")
@@ -192,7 +210,7 @@ def resolve_correction(spec: Any) -> Optional[Correction]:
 # --- the corrections -----------------------------------------------------------------------------
 def _scale(norm: torch.Tensor, tau: float) -> torch.Tensor:
     """λ = 1 / max(1, ‖C‖/τ)."""
-    return 1.0 / torch.clamp(norm / tau, min=1.0)
+    return (norm / tau).clamp_min_(1.0).reciprocal_()
 
 
 def _none(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:

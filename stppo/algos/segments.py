@@ -1,0 +1,144 @@
+"""Turn segments: the (row, turn) groups of agent tokens, and the autograd nodes of the turn ratio.
+
+A turn k of trajectory i is the set of its agent tokens with turn id k (DESIGN.md §1; a turn may
+be split by observations). With δ the masked, clamped log-ratio (`stppo.algos.ratios.log_ratio`):
+
+    ρ^k = exp( (1/|y^k|) Σ_{t∈k} δ_t ),     ρ_t = ρ^{k(t)}.
+
+No stop-gradient: for a loss L = Σ_t c_t ρ_t with constant c (the surrogate is affine in ρ),
+
+    ∂L/∂δ_t = ρ^k C^k / |y^k|   for t in turn k,   C^k = Σ_{t'∈k} c_t'
+
+— the gradient of ST-PPO (arXiv 2511.20718 v1) Lemma 4.1, w^k Â^k / |y^k| times the aggregation
+weight, when c_t = −w_t A_t on unclipped tokens and 0 on clipped ones.
+
+Every reduction is one `scatter_add_` over a per-token slot index built once per call and shared
+by forward and backward; every broadcast is one `gather`. No loop over samples, turns or time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+
+INTERLEAVE = 8  # accumulators per segment: consecutive tokens of a turn hit different slots
+
+
+@functools.lru_cache(maxsize=16)
+def _slot_ramp(length: int, device: torch.device) -> torch.Tensor:
+    """B + (arange(length) mod B), int64, cached (read-only: callers never modify it). (T,)"""
+    return torch.arange(length, device=device) % INTERLEAVE + INTERLEAVE
+
+
+def _segment_sum(x: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
+    """Σ of x (N, T) per row and segment through the B interleaved accumulators. (N, K)"""
+    acc = x.new_zeros(x.shape[0], k * INTERLEAVE).scatter_add_(1, slot, x)  # (N, K·B)
+    return acc.view(x.shape[0], k, INTERLEAVE).sum(2)
+
+
+class TurnSegments(NamedTuple):
+    """The turn segments of a batch, addressed per row: segment k = turn + 1 holds the row's
+    agent tokens of that turn, segment 0 every other token of the row (weight 0, ratio 1), for
+    k < K = max turn id + 2. Agent tokens must carry turn ids ≥ 0 (-1 is tolerated and lands in
+    segment 0: ratio 1, no gradient); turn ids off agent tokens are ignored.
+
+    Token t of segment k adds into accumulator `slot` = k·B + (t mod B) of its row: B interleaved
+    accumulators per segment, so the adds of consecutive tokens of one turn do not form one
+    serial dependency chain (≈4x faster on CPU); the B partial sums are added afterwards. Slots
+    are row-local (a 2-D scatter along T), so building them needs no row offset.
+    """
+
+    slot: torch.Tensor  # (N, T) int64 accumulator of each token within its row
+    count: torch.Tensor  # (N, K) agent tokens per segment
+    inv_count: torch.Tensor  # (N, K) 1/max(count, 1), 0 for segment 0
+    num: int  # K segments per row
+
+    @staticmethod
+    def build(loss_mask: torch.Tensor, turn_ids: torch.Tensor,
+              mask_float: Optional[torch.Tensor] = None) -> "TurnSegments":
+        """Segments of `loss_mask`, `turn_ids` (N, T); `mask_float` (N, T) is the mask as 0/1 in
+        the dtype of the counts (float32 if None).
+
+        One host sync — the range of the turn ids, to size the accumulators. On CPU that is one
+        reduction pass (≈1% of a policy loss); sizing them by T instead (no sync) costs N·(T+1)·B
+        zeroed accumulators per scatter and an exp over N·(T+1) segments: measured ≈3 ms more
+        per call at N=64, T=2048, against ≈0.03 ms for the reduction.
+        """
+        n, t = loss_mask.shape
+        ids = torch.where(loss_mask, turn_ids, -1)  # (N, T) turn id, -1 off agent tokens
+        lo, hi = ids.aminmax() if ids.numel() else (ids.new_zeros(()), ids.new_full((), -1))
+        if int(lo) < -1:
+            raise ValueError(f"turn_ids must be >= 0 on agent tokens (loss_mask), got {int(lo)}")
+        k = int(hi) + 2
+        ramp = _slot_ramp(t, ids.device)  # (T,)
+        out = ids if ids.dtype == torch.int64 else None  # in place: one (N, T) buffer fewer
+        slot = torch.add(ramp, ids, alpha=INTERLEAVE, out=out)  # (N, T) B·(turn + 1) + t mod B
+        if mask_float is None:
+            mask_float = loss_mask.view(torch.uint8).to(torch.float32)  # (N, T)
+        count = _segment_sum(mask_float, slot, k)  # (N, K)
+        inv = count.clamp(min=1.0).reciprocal_()  # (N, K); empty segments hold no token
+        inv[:, 0] = 0.0  # segment 0 carries no weight
+        return TurnSegments(slot, count, inv, k)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T) → (N, K) segment sums."""
+        return _segment_sum(x, self.slot, self.num)
+
+    def gather(self, v: torch.Tensor) -> torch.Tensor:
+        """(N, K) → (N, T): each token's segment value."""
+        return v.repeat_interleave(INTERLEAVE, dim=1).gather(1, self.slot)
+
+    @torch.no_grad()
+    def ratio(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ρ^k (N, K), Σ_{t∈k} δ_t (N, K)) without gradient, from the clamped log-ratio `delta`
+        (N, T). Segment 0 is discarded (sum 0, ρ = 1), so `delta` need not be masked: nan/inf
+        off agent tokens reach no result."""
+        total = self.scatter(delta.detach())  # (N, K)
+        total[:, 0] = 0.0
+        return (total * self.inv_count.to(total.dtype)).exp(), total
+
+
+class TurnRatio(torch.autograd.Function):
+    """`TurnRatio.apply(delta (N, T), segs)` → ρ_t (N, T) with gradient; one node whose
+    backward is ∂L/∂δ_t = ρ^k / |y^k| · Σ_{t'∈k} ∂L/∂ρ_t' (one scatter, one gather), 0 off
+    agent tokens (segment 0 has 1/|y| = 0)."""
+
+    @staticmethod
+    def forward(ctx, delta: torch.Tensor, segs: TurnSegments) -> torch.Tensor:
+        rho_seg, _ = segs.ratio(delta)  # (N, K)
+        ctx.segs = segs
+        ctx.save_for_backward(rho_seg * segs.inv_count.to(rho_seg.dtype))
+        return segs.gather(rho_seg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rho_inv,) = ctx.saved_tensors
+        g_seg = ctx.segs.scatter(grad.to(rho_inv.dtype).contiguous()) * rho_inv  # (N, K)
+        return ctx.segs.gather(g_seg), None
+
+
+class TurnDot(torch.autograd.Function):
+    """`TurnDot.apply(diff, rho_seg, coef, segs, scale)` → Σ_t s_i c_t ρ_t = Σ_{i,k} s_i ρ^k C^k
+    (0-d), differentiable in `diff` (N, T) only — the clamped log-ratio whose segment means
+    gave `rho_seg` (N, K) = `segs.ratio(diff)[0]`; `coef` c (N, T) constant, finite, 0 off agent
+    tokens; `scale` s (N, 1) constant per row.
+
+    The segment sums C^k of c are taken in the forward, so the backward is one gather of the
+    closed form of Lemma 4.1, s_i ρ^k C^k / |y^k| — no (N, T) product, no backward scatter — and
+    it is 0 off agent tokens (segment 0), so `diff` may hold anything there.
+    """
+
+    @staticmethod
+    def forward(ctx, diff: torch.Tensor, rho_seg: torch.Tensor, coef: torch.Tensor,
+                segs: TurnSegments, scale: torch.Tensor) -> torch.Tensor:
+        term = rho_seg * segs.scatter(coef.to(rho_seg.dtype)) * scale  # (N, K) s ρ^k C^k
+        ctx.segs = segs
+        ctx.save_for_backward(term * segs.inv_count.to(term.dtype))
+        return term.sum().to(diff.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (g_seg,) = ctx.saved_tensors  # (N, K) s ρ^k C^k / |y^k|
+        return ctx.segs.gather(g_seg * grad), None, None, None, None
