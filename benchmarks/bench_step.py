@@ -28,12 +28,14 @@ from stppo.train.update import UpdateContext, actor_update  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
+    """Median process CPU time of `fn` (one torch thread: CPU time = compute time, and other jobs
+    on the machine do not leak into it as they do into wall time)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return statistics.median(times)
 
 
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = to_config(compose([f"model={args.model}", "algo=st_ppo", "trainer.warmstart.enabled=false",
                              "tracking.enabled=false", f"trainer.minibatch_size={args.rows}",
