@@ -35,7 +35,7 @@ def _history(uri, run_id):
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, tiny_cfg):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     common = [f"trainer.total_steps={STEPS}", "trainer.save_every=1", "trainer.val_every=2", "algo=ppo"]
-    from stppo.train.run import run
+    from stppo.train.job import run
 
     run(tiny_cfg(*common, "tracking.experiment=uninterrupted"))  # also warms the caches
 

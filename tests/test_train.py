@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from stppo import tracking as K
 from stppo.config import to_config
 from stppo.train.loop import Trainer
-from stppo.train.run import run
+from stppo.train.job import run
 from stppo.train.setup import build_components
 
 PRESETS = ["ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo", "so_grpo"]

@@ -2,8 +2,8 @@
 
 
 def run(cfg):
-    """Train one run from a composed config; see `stppo.train.run.run`."""
-    from stppo.train.run import run as _run
+    """Train one run from a composed config; see `stppo.train.job.run`."""
+    from stppo.train.job import run as _run
 
     return _run(cfg)
 

@@ -4,7 +4,9 @@ policy, the critic and the reference model."""
 from __future__ import annotations
 
 import copy
+import fcntl
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,16 +83,22 @@ def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
     key = {"model": asdict(cfg.model), "task": asdict(cfg.task), "warmstart": asdict(ws),
            "tokenizer": content_hash(tokenizer.get_vocab()), "version": 1}
     path = sft.warmstart_dir(key)
-    if (path / sft.DONE).exists():
-        policy.load_state_dict(torch.load(path / "policy.pt", map_location="cpu"))
-        log.info("warm start: reused %s", path)
-        return float((path / sft.DONE).read_text() or "nan")
-    questions = task.split("sft")
-    episodes = []
-    for rep in range(SFT_EPISODES_PER_QUESTION):
-        episodes += run_oracle(env, task, questions, error_rate=ws.error_rate, seed=WARMSTART_SEED + rep)
-    losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED, progress=progress)
-    final = sum(losses[-20:]) / max(1, len(losses[-20:]))
-    torch.save(copy.deepcopy(policy.state_dict()), path / "policy.pt")
-    (path / sft.DONE).write_text(f"{final:.6f}")
-    return final
+    # Parallel jobs of a study share this entry: the first one trains it under an exclusive lock,
+    # the others wait and load it; files are written whole (tmp + rename) and DONE comes last.
+    with open(path / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / sft.DONE).exists():
+            policy.load_state_dict(torch.load(path / "policy.pt", map_location="cpu"))
+            log.info("warm start: reused %s", path)
+            return float((path / sft.DONE).read_text() or "nan")
+        questions = task.split("sft")
+        episodes = []
+        for rep in range(SFT_EPISODES_PER_QUESTION):
+            episodes += run_oracle(env, task, questions, error_rate=ws.error_rate,
+                                   seed=WARMSTART_SEED + rep)
+        losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED, progress=progress)
+        final = sum(losses[-20:]) / max(1, len(losses[-20:]))
+        torch.save(copy.deepcopy(policy.state_dict()), path / "policy.pt.tmp")
+        os.replace(path / "policy.pt.tmp", path / "policy.pt")
+        (path / sft.DONE).write_text(f"{final:.6f}")
+        return final
