@@ -108,6 +108,21 @@ def filters(runs: pd.DataFrame, *, key: str, columns: tuple[str, ...] = ("algo",
     return runs[keep]
 
 
+def page_runs(key: str, columns: tuple[str, ...] = ("algo", "model", "seed"),
+              ) -> tuple[analysis.Study, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """A page's prologue: the current study, its runs and collapse table, and the runs the
+    page's filters keep. Stops the page with a message when there is nothing to show."""
+    study = current_study()
+    if study is None:
+        st.stop()
+    runs, collapse = run_tables(study.uri, study.experiments)
+    kept = filters(runs, key=key, columns=columns)
+    if kept.empty:
+        st.info("No run matches the filters.")
+        st.stop()
+    return study, runs, collapse, kept
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 

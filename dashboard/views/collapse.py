@@ -11,14 +11,7 @@ from dashboard import common
 from stppo import tracking as T
 
 st.header("Collapse diagnosis")
-study = common.current_study()
-if study is None:
-    st.stop()
-runs, _ = common.run_tables(study.uri, study.experiments)
-kept = common.filters(runs, key="collapse")
-if kept.empty:
-    st.info("No run matches the filters.")
-    st.stop()
+study, runs, _, kept = common.page_runs("collapse")
 
 order = kept.assign(_c=kept["collapse_step"].fillna(math.inf)).sort_values(["_c", "algo", "model", "seed"])
 labels = {r["run_id"]: common.run_label(r) for _, r in order.iterrows()}

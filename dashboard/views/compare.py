@@ -8,14 +8,7 @@ import analysis
 from dashboard import common
 
 st.header("Variant comparison")
-study = common.current_study()
-if study is None:
-    st.stop()
-runs, collapse = common.run_tables(study.uri, study.experiments)
-kept = common.filters(runs, key="compare", columns=("algo", "model", "task"))
-if kept.empty:
-    st.info("No run matches the filters.")
-    st.stop()
+study, runs, collapse, kept = common.page_runs("compare", columns=("algo", "model", "task"))
 
 c1, c2, c3 = st.columns(3)
 smoothing = c1.slider("EMA smoothing", 0.0, 0.95, 0.0, 0.05, key="compare:smoothing")

@@ -6,14 +6,7 @@ import analysis
 from dashboard import common
 
 st.header("Overview")
-study = common.current_study()
-if study is None:
-    st.stop()
-runs, _ = common.run_tables(study.uri, study.experiments)
-kept = common.filters(runs, key="overview")
-if kept.empty:
-    st.info("No run matches the filters.")
-    st.stop()
+study, runs, _, kept = common.page_runs("overview")
 
 by_preset = kept.groupby("algo", sort=True)
 parts = [f"{algo}: {common.plural(len(g), 'run')}, {int(g['collapsed'].sum())} collapsed" for algo, g in by_preset]
