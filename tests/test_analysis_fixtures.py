@@ -16,10 +16,10 @@ Experiment `empty` has no runs.
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
+from conftest import free_port as closed_port  # noqa: F401  (re-exported to the analysis tests)
 
 from stppo import tracking as T
 
@@ -101,13 +101,6 @@ def known_uri(tmp_path_factory) -> str:
 def cache_tmp(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ids(study) -> dict[tuple[str, int], str]:

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
+from conftest import free_port, wait_healthy
 
 from stppo.envs import build_task, write_corpus_jsonl
 from stppo.envs import retrievers
@@ -19,12 +19,6 @@ from stppo.envs.base import Doc
 from stppo.envs.retrievers import BM25Retriever, HttpRetriever, build_retriever, s_stem, tokenize
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +31,14 @@ def server(task, tmp_path_factory):
     """The shipped server as a subprocess on a free port; stopped by its pid."""
     tmp = tmp_path_factory.mktemp("server")
     corpus = write_corpus_jsonl(task.corpus, tmp / "corpus.jsonl")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, STPPO_CACHE_DIR=str(tmp / "cache"), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus",
                              str(corpus), "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).json()["status"] == "ok":
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.1)
+        wait_healthy(url + "/health", proc, 30)
         yield url
     finally:
         os.kill(proc.pid, signal.SIGTERM)
@@ -125,7 +110,7 @@ def test_server_protocol(server, task):
 
 
 def test_server_down_is_a_clear_error_after_bounded_retries():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     client = HttpRetriever(url, timeout_s=1.0, retries=2, backoff_s=0.1)
     start = time.monotonic()
     with pytest.raises(ConnectionError) as err:

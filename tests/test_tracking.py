@@ -9,14 +9,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port, wait_healthy
 from mlflow.tracking import MlflowClient
 
 from stppo import tracking as K
@@ -38,17 +37,11 @@ def fresh_sqlite(directory: Path, name: str = "mlflow.db") -> str:
     return f"sqlite:///{directory / name}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A real `mlflow server` on a fixed port, started and stopped (SIGKILL) by its own pid."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port, self.proc = root, _free_port(), None
+        self.root, self.port, self.proc = root, free_port(), None
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> None:
@@ -59,17 +52,11 @@ class Server:
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1"],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"mlflow server did not start in {timeout}s")
+        try:
+            wait_healthy(f"{self.uri}/health", self.proc, timeout, self.root / "server.log")
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """Kill the server (its process group: the uvicorn worker too), as a crash would."""
@@ -173,7 +160,7 @@ def test_run_ending_while_store_is_down_is_closed_later(tmp_path, monkeypatch):
 
 
 def test_unreachable_store_at_start_is_one_clear_error(tmp_path):
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"tracking store {uri} is unreachable") as e:
         K.Tracker(uri, "x", buffer_dir=tmp_path).start(tags={}, params={})
