@@ -5,7 +5,6 @@ A non-finite loss or gradient skips that optimizer step (counted, never applied)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +122,3 @@ def critic_update(critic, optimizer, batch: Batch, ctx: UpdateContext) -> dict[s
     out[VF_EXPLAINED_VAR] = float(explained_variance(batch.values, batch.returns, batch.loss_mask))
     return out
 
-
-def any_nonfinite(metrics: dict[str, float]) -> bool:
-    return metrics.get(SKIPPED_STEPS, 0.0) > 0 or not all(
-        math.isfinite(v) for k, v in metrics.items() if k.startswith("actor/pg_loss"))
