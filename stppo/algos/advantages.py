@@ -58,14 +58,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, ga
 
 
 @torch.no_grad()
-def masked_whiten(x: torch.Tensor, loss_mask: torch.Tensor,
-                  shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, loss_mask: torch.Tensor, shift_mean: bool = True,
+                  reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """(x − μ) / sqrt(σ² + 1e-8) over agent tokens (σ² unbiased, as verl); + μ back if not
-    `shift_mean`. (N, T), 0 off agent tokens."""
+    `shift_mean`. With `reduce` (an all-reduce sum over data-parallel shards) μ and σ² are those
+    of every shard's agent tokens. (N, T), 0 off agent tokens."""
+    reduce = reduce or (lambda t: t)
     xm = torch.where(loss_mask, x, 0.0)  # (N, T)
-    n = loss_mask.sum().to(xm.dtype)
-    mean = xm.sum() / n.clamp(min=1)
-    var = torch.where(loss_mask, (xm - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    n_sum = reduce(torch.stack([loss_mask.sum().to(xm.dtype), xm.sum()]))
+    n = n_sum[0]
+    mean = n_sum[1] / n.clamp(min=1)
+    var = reduce(torch.where(loss_mask, (xm - mean).square(), 0.0).sum()) / (n - 1).clamp(min=1)
     out = (xm - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         out = out + mean
@@ -121,7 +124,9 @@ def turn_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tenso
 
 # --- registry: one signature ---------------------------------------------------------------------
 # estimator(*, loss_mask, turn_ids, rewards, values, scores, group_ids, gamma, lam, eps,
-#           norm_by_std, whiten) -> (advantages (N, T), returns (N, T))
+#           norm_by_std, whiten, reduce) -> (advantages (N, T), returns (N, T)); `reduce` (an
+#           all-reduce sum over data-parallel shards, or None) makes whitening global. GRPO needs
+#           none: a group never spans shards.
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
     "advantage")
 
@@ -133,10 +138,10 @@ def _need(name: str, **inputs: Optional[torch.Tensor]) -> None:
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
-def _gae_estimator(*, loss_mask, rewards, values, gamma, lam, whiten, **_):
+def _gae_estimator(*, loss_mask, rewards, values, gamma, lam, whiten, reduce=None, **_):
     _need("gae", rewards=rewards, values=values)
     adv, ret = gae(rewards, values, loss_mask, gamma, lam)
-    return (masked_whiten(adv, loss_mask) if whiten else adv), ret
+    return (masked_whiten(adv, loss_mask, reduce=reduce) if whiten else adv), ret
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -147,19 +152,21 @@ def _grpo_estimator(*, loss_mask, scores, group_ids, eps, norm_by_std, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("turn_gae")
-def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, lam, whiten, **_):
+def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, lam, whiten, reduce=None,
+                        **_):
     _need("turn_gae", rewards=rewards, values=values, turn_ids=turn_ids)
     adv, ret = turn_gae(rewards, values, loss_mask, turn_ids, gamma, lam)
-    return (masked_whiten(adv, loss_mask) if whiten else adv), ret
+    return (masked_whiten(adv, loss_mask, reduce=reduce) if whiten else adv), ret
 
 
 def compute_advantages(name: str, *, loss_mask: torch.Tensor, turn_ids=None, rewards=None,
                        values=None, scores=None, group_ids=None, gamma: float = 1.0,
                        lam: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
-                       whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       whiten: bool = True, reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to ADVANTAGE_ESTIMATORS[name]; GAE-based ones whiten over agent tokens when
-    `whiten` (DESIGN.md §2). Returns (advantages, returns), (N, T)."""
+    `whiten` (DESIGN.md §2), over every shard's when `reduce` is given. Returns (advantages,
+    returns), (N, T)."""
     fn = ADVANTAGE_ESTIMATORS[name]
     return fn(loss_mask=loss_mask, turn_ids=turn_ids, rewards=rewards, values=values,
               scores=scores, group_ids=group_ids, gamma=gamma, lam=lam, eps=eps,
-              norm_by_std=norm_by_std, whiten=whiten)
+              norm_by_std=norm_by_std, whiten=whiten, reduce=reduce)

@@ -14,7 +14,10 @@ Corrections multiply the policy loss by a detached scale λ:
                     loss = agg(λ_i s_{i,t})
     clip_triggered  r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8), token-weighted over the agent tokens
                     (r = 0 when nothing is clipped); λ = 1/r if r > τ else 1   (SO-PPO, SO-GRPO)
-Norms and λ use this call's own denominators (a per-minibatch / per-micro-batch quantity).
+Norms and λ use this call's own denominators (a per-minibatch / per-micro-batch quantity), or,
+under data parallelism, the global ones: `policy_loss(..., global_denoms=..., reduce=all_reduce_sum)`
+sums the partial norms (and for the `grad` estimator the partial gradients) over the shards, so
+every shard computes the λ of the whole batch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from stppo.algos.aggregation import agg_weights, weighted_sum
 from stppo.algos.registry import Registry
 from stppo.tracking import CLIP_BIAS_GRAD_NORM
 
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]  # all-reduce sum over shards, or None
 ESTIMATORS = ("token", "grad")
 GRANULARITIES = ("batch", "sequence")
 RMS_EPS = 1e-8
@@ -74,17 +78,26 @@ def clip_bias_term(ratio: torch.Tensor, advantages: torch.Tensor, clipped: torch
     return weighted_sum(ratio * adv, _w(weights, loss_mask, loss_agg, ratio))
 
 
-def clip_bias_grad_norm(clip_bias_term: torch.Tensor,
-                        params: Iterable[torch.Tensor]) -> torch.Tensor:
+def clip_bias_grad_norm(clip_bias_term: torch.Tensor, params: Iterable[torch.Tensor],
+                        reduce: Reduce = None) -> torch.Tensor:
     """‖∇_θ clip_bias_term‖₂ over `params`, from the same forward graph (retain_graph=True).
 
     One extra backward pass, no second forward; the graph stays usable for the loss's backward.
-    Parameters the term does not depend on contribute 0. Detached 0-d float32 tensor.
+    Parameters the term does not depend on contribute 0. With `reduce` (data parallelism, the
+    term built with global weights) the shards' gradients are summed before the norm: every shard
+    gets ‖C‖ of the whole batch. Detached 0-d float32 tensor.
     """
     params = [p for p in params if p.requires_grad]
-    if not params or not clip_bias_term.requires_grad:
+    if not params:
         return torch.zeros((), device=clip_bias_term.device)
-    grads = torch.autograd.grad(clip_bias_term, params, retain_graph=True, allow_unused=True)
+    if clip_bias_term.requires_grad:
+        grads = torch.autograd.grad(clip_bias_term, params, retain_graph=True, allow_unused=True)
+    else:
+        grads = [None] * len(params)
+    if reduce is not None:  # every shard joins the collective, even one with nothing clipped
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g.detach()).reshape(-1).float()
+                          for p, g in zip(params, grads)])
+        return reduce(flat).square().sum().sqrt()
     sq = [g.detach().float().square().sum() for g in grads if g is not None]
     if not sq:
         return torch.zeros((), device=clip_bias_term.device)
@@ -98,17 +111,20 @@ def sequence_clip_bias_norm(bias_sq: torch.Tensor, loss_mask: torch.Tensor) -> t
 
 
 def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped: torch.Tensor,
-                         loss_mask: torch.Tensor) -> torch.Tensor:
-    """r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8) over agent tokens (0 if none is clipped).
-    Detached 0-d."""
+                         loss_mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
+    """r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8) over agent tokens (0 if none is clipped); with
+    `reduce`, over the agent tokens of every shard. Detached 0-d."""
     with torch.no_grad():
         sq = torch.where(loss_mask, (ratio * advantages).square(), 0.0)  # (N, T)
         clipped = clipped & loss_mask
-        sq_c = torch.where(clipped, sq, 0.0).sum()
-        n_c = clipped.sum()
-        n_u = loss_mask.sum() - n_c
+        sums = torch.stack([torch.where(clipped, sq, 0.0).sum(), sq.sum(),
+                            clipped.sum().to(sq.dtype), loss_mask.sum().to(sq.dtype)])
+        if reduce is not None:
+            sums = reduce(sums)
+        sq_c, sq_all, n_c, n = sums.unbind()
+        n_u = n - n_c
         rms_c = (sq_c / n_c.clamp(min=1)).sqrt()
-        rms_u = ((sq.sum() - sq_c).clamp(min=0.0) / n_u.clamp(min=1)).sqrt()
+        rms_u = ((sq_all - sq_c).clamp(min=0.0) / n_u.clamp(min=1)).sqrt()
         return rms_c / (rms_u + RMS_EPS)
 
 
@@ -122,10 +138,11 @@ class ClipContext:
     clipped: torch.Tensor  # (N, T) bool κ
     loss_mask: torch.Tensor  # (N, T) bool
     loss_agg: str
-    weights: torch.Tensor  # (N, T) agg weights of this call (local denominators)
+    weights: torch.Tensor  # (N, T) agg weights (this call's denominators, or the global ones)
     bias_sq: torch.Tensor  # (N, T) detached κ(ρA)²
-    bias_norm: torch.Tensor  # 0-d detached clip_bias/norm
+    bias_norm: torch.Tensor  # 0-d detached clip_bias/norm (of the whole batch under `reduce`)
     params: Optional[list[torch.Tensor]] = None
+    reduce: Reduce = None  # all-reduce sum over data-parallel shards
 
 
 class CorrectionKind(NamedTuple):
@@ -224,7 +241,7 @@ def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
                              "params=model.parameters() to policy_loss")
         term = clip_bias_term(ctx.ratio, ctx.advantages, ctx.clipped, ctx.loss_mask, ctx.loss_agg,
                               weights=ctx.weights)
-        g = clip_bias_grad_norm(term, ctx.params)
+        g = clip_bias_grad_norm(term, ctx.params, ctx.reduce)
         return _scale(g, spec.tau), {CLIP_BIAS_GRAD_NORM: g}
     if spec.granularity == "sequence":
         return _scale(sequence_clip_bias_norm(ctx.bias_sq, ctx.loss_mask), spec.tau), {}
@@ -232,7 +249,7 @@ def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
 
 
 def _clip_triggered(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
-    r = clip_triggered_ratio(ctx.ratio, ctx.advantages, ctx.clipped, ctx.loss_mask)
+    r = clip_triggered_ratio(ctx.ratio, ctx.advantages, ctx.clipped, ctx.loss_mask, ctx.reduce)
     return torch.where(r > spec.tau, 1.0 / r.clamp(min=RMS_EPS), torch.ones_like(r)), {}
 
 

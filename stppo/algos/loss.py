@@ -22,7 +22,8 @@ import torch
 
 from stppo.algos.aggregation import (LOSS_AGGS, GlobalDenoms, agg_row_weights, mask_float,
                                      weighted_sum)
-from stppo.algos.clip_bias import CORRECTIONS, ClipContext, clip_bias_sq, resolve_correction
+from stppo.algos.clip_bias import (CORRECTIONS, ClipContext, Reduce, clip_bias_sq,
+                                   resolve_correction)
 from stppo.algos.ratios import RATIO_LEVELS, clamped_log_ratio, log_ratio
 from stppo.algos.segments import TurnDot, TurnRatio, TurnSegments
 from stppo.algos.surrogate import surrogate_parts
@@ -74,7 +75,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 loss_mask: torch.Tensor, turn_ids: torch.Tensor, *, ratio_level: str,
                 clip_low: float, clip_high: float, loss_agg: str, correction: Any = None,
                 dual_clip: Optional[float] = None, global_denoms: GlobalDenoms = None,
-                params: Optional[Iterable[torch.Tensor]] = None,
+                params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss of every preset and its diagnostics.
 
@@ -86,7 +87,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
       loss_agg: see `agg_loss`. correction: None or a mapping/dataclass with kind, tau,
         estimator, granularity (see `stppo.algos.clip_bias`). dual_clip: None or c > 1.
       global_denoms: (D_tok, D_seq) summed over shards, or None. params: the policy parameters,
-        needed by correction estimator 'grad' only.
+        needed by correction estimator 'grad' only. reduce: data parallelism — an all-reduce
+        sum over the shards (needs global_denoms); clip_bias/norm and the correction's λ are then
+        those of the whole batch, identical on every shard. The other metrics stay per shard.
     Returns:
       loss (0-d, with graph) and metrics: detached 0-d tensors keyed by `stppo.tracking`
       constants. Fractions, ratio statistics and PPO_KL (mean −δ) are token-weighted over agent
@@ -99,6 +102,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 dual_clip)
     spec = resolve_correction(correction)
     params = list(params) if params is not None else None
+    if reduce is not None and global_denoms is None:
+        raise ValueError("policy_loss: reduce (data parallelism) needs global_denoms")
 
     rs = _ratio_stage(log_probs, old_log_probs, loss_mask, turn_ids, ratio_level,
                       live=spec is not None and spec.estimator == "grad")
@@ -114,12 +119,14 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         parts = surrogate_parts(ratio, adv, clip_low, clip_high, dual_clip)
         clipped = parts.clipped  # (N, T) bool; False off agent tokens since A = 0 there
         bias_sq = clip_bias_sq(ratio, adv, clipped)  # (N, T)
-        bias_norm = weighted_sum(bias_sq, w).sqrt()
+        w_corr = w if reduce is None else w_loss  # shares of the whole batch under `reduce`
+        bias_sq_sum = weighted_sum(bias_sq, w_corr)
+        bias_norm = (bias_sq_sum if reduce is None else reduce(bias_sq_sum)).sqrt()
 
     lam, extra = None, {}
     if spec is not None:
         ctx = ClipContext(ratio if rs.live is None else rs.live, adv, clipped, loss_mask,
-                          loss_agg, w, bias_sq, bias_norm, params)
+                          loss_agg, w_corr, bias_sq, bias_norm, params, reduce)
         lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
     loss = _assemble(rs, parts, rows_loss, w_loss, lam)
     metrics = _metrics(loss, ratio, rs.delta, parts, mf, lengths, w, bias_norm, lam, rs.turn)

@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 
 from stppo import tracking as K
 from stppo.config import Config, to_config
-from stppo.train import checkpoint
+from stppo.train import checkpoint, distributed
 from stppo.train.loop import Trainer, read_run_info, resolved_yaml, run_dir_for, write_run_info
-from stppo.train.setup import build_components
+from stppo.train.setup import build_components, device_of
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +46,34 @@ def _on_sigterm(signum, frame):
 
 
 def run(cfg_in: DictConfig | Config | dict) -> float:
-    """Train one run; returns the objective (mean late validation success)."""
+    """Train one run; returns the objective (mean late validation success). Under torchrun the
+    processes train it data-parallel (`stppo.train.distributed`); rank 0 logs and checkpoints."""
     cfg = cfg_in if isinstance(cfg_in, Config) else to_config(cfg_in)  # ValueError on bad settings
+    d = distributed.from_env()
+    if d.active:
+        distributed.check_divisible(d.world, cfg.trainer.questions_per_step,
+                                    cfg.trainer.minibatch_size)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
+    d = distributed.init(device_of(cfg))
     run_dir = run_dir_for(cfg)
     state = checkpoint.load(run_dir) if cfg.trainer.resume else None
     prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None
     tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
-                        enabled=cfg.tracking.enabled)
-    run_id = tracker.start(tags=run_tags(cfg), params=K.flatten(asdict(cfg)),
+                        enabled=cfg.tracking.enabled and d.is_main)
+    run_id = tracker.start(tags={**run_tags(cfg), **_dist_tags(d)}, params=K.flatten(asdict(cfg)),
                            run_name=cfg.tracking.run_name or run_dir.name, run_id=prev_id,
                            artifacts={"config.yaml": resolved_yaml(cfg)})
-    write_run_info(run_dir, run_id)
+    if d.is_main:
+        write_run_info(run_dir, run_id)
     old_handler = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
     try:
-        comps = build_components(cfg, progress=cfg.trainer.progress)
-        trainer = Trainer(cfg, comps, tracker, run_dir)
+        comps = build_components(cfg, progress=cfg.trainer.progress and d.is_main)
+        for m in (comps.policy, comps.critic):
+            if m is not None:
+                d.broadcast_module(m)  # replicas start equal (the warm start is shared anyway)
+        trainer = Trainer(cfg, comps, tracker, run_dir, d)
         if state is not None:
             trainer.load_state_dict(state)
         if prev_id is not None:
@@ -80,6 +90,11 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     finally:
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
+        distributed.shutdown()
+
+
+def _dist_tags(d: distributed.Dist) -> dict[str, str]:
+    return {"world_size": str(d.world)} if d.active else {}
 
 
 def _last(tracker: K.Tracker, key: str) -> int:

@@ -30,6 +30,7 @@ from stppo.diagnostics import CollapseDetector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
 from stppo.train import checkpoint
+from stppo.train.distributed import Dist
 from stppo.train.prepare import prepare_batch
 from stppo.train.setup import Components
 from stppo.train.update import UpdateContext, actor_update, critic_update
@@ -71,15 +72,17 @@ def env_metrics(batch: Batch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def validate(cfg: Config, comps: Components) -> float:
-    """Greedy success rate on the first `val_questions` held-out questions."""
+def validate(cfg: Config, comps: Components, d: Dist = Dist()) -> float:
+    """Greedy success rate on the first `val_questions` held-out questions (each rank rolls out
+    its share; the scores are summed over ranks)."""
     qs = comps.task.split("val")[: cfg.trainer.val_questions]
+    mine = d.shard(qs)
     rc = rollout_config(cfg, greedy=True)
-    total = 0.0
-    for i in range(0, len(qs), VAL_CHUNK):
-        b = rollout(comps.policy, comps.tokenizer, comps.env, qs[i:i + VAL_CHUNK], rc)
-        total += float(b.scores.float().sum())
-    return total / max(1, len(qs))
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(0, len(mine), VAL_CHUNK):
+        b = rollout(comps.policy, comps.tokenizer, comps.env, mine[i:i + VAL_CHUNK], rc)
+        total += b.scores.double().sum()
+    return float(d.all_sum(total)) / max(1, len(qs))
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -95,15 +98,16 @@ def run_dir_for(cfg: Config) -> Path:
 class Trainer:
     """Holds the run's state; `train()` is the loop above."""
 
-    def __init__(self, cfg: Config, comps: Components, tracker: K.Tracker, run_dir: Path) -> None:
-        self.cfg, self.c, self.tracker, self.run_dir = cfg, comps, tracker, run_dir
+    def __init__(self, cfg: Config, comps: Components, tracker: K.Tracker, run_dir: Path,
+                 dist: Dist = Dist()) -> None:
+        self.cfg, self.c, self.tracker, self.run_dir, self.dist = cfg, comps, tracker, run_dir, dist
         tr = cfg.trainer
         self.actor_opt = torch.optim.AdamW(comps.policy.parameters(), lr=tr.actor_lr,
                                            weight_decay=tr.weight_decay)
         self.critic_opt = (torch.optim.AdamW(comps.critic.parameters(), lr=tr.critic_lr,
                                              weight_decay=tr.weight_decay) if comps.critic else None)
         self.detector = CollapseDetector(tr.collapse)
-        self.ctx = UpdateContext(cfg.algo, tr, torch.Generator())
+        self.ctx = UpdateContext(cfg.algo, tr, torch.Generator(), dist=dist)
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
@@ -135,14 +139,14 @@ class Trainer:
         if self.step == 0:
             self._validate(0)
         bar = tqdm(total=tr.total_steps, initial=self.step, desc=f"{cfg.algo.name} seed {cfg.seed}",
-                   disable=not tr.progress, dynamic_ncols=True)
+                   disable=not tr.progress or not self.dist.is_main, dynamic_ncols=True)
         while self.step < tr.total_steps:
             self.step += 1
             metrics = self.train_step(self.step)
             self._log(self.step, metrics)
             if self._val_due(self.step):
                 self._validate(self.step)
-            if tr.save_every and self.step % tr.save_every == 0:
+            if tr.save_every and self.step % tr.save_every == 0 and self.dist.is_main:
                 checkpoint.save(self.run_dir, self.state_dict())
             bar.update(1)
             bar.set_postfix(success=f"{metrics[K.SUCCESS_RATE]:.2f}",
@@ -157,14 +161,15 @@ class Trainer:
         return self.objective()
 
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, c = self.cfg, self.c
+        cfg, c, d = self.cfg, self.c, self.dist
         t0 = time.perf_counter()
         qs = sample_questions(c.task.split("train"), cfg.trainer.questions_per_step, cfg.seed, step)
-        qs = [q for q in qs for _ in range(cfg.trainer.group_size)]
-        gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, "rollout"))
+        qs = [q for q in d.shard(qs) for _ in range(cfg.trainer.group_size)]  # whole groups
+        salt = "rollout" if d.rank == 0 else f"rollout-rank{d.rank}"
+        gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
         batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
         t_roll = time.perf_counter() - t0
-        batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo)
+        batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:
@@ -177,6 +182,8 @@ class Trainer:
         t_step = time.perf_counter() - t0
         metrics.update({K.ROLLOUT_TIME: t_roll, K.UPDATE_TIME: t_step - t_roll, K.STEP_TIME: t_step,
                         K.TOKENS_PER_S: float(batch.attention_mask.sum()) / t_step})
+        metrics = d.reduce_metrics(metrics)  # one value per key on every rank
+        metrics[K.TOKENS_PER_S] *= d.world  # the mean over ranks → the group's throughput
         was = self.detector.detected
         self.detector.update(step, metrics[K.SUCCESS_RATE], metrics[K.SKIPPED_STEPS] > 0)
         metrics[K.COLLAPSE_DETECTED] = float(self.detector.detected)
@@ -189,7 +196,7 @@ class Trainer:
         return step == self.cfg.trainer.total_steps or (every > 0 and step % every == 0)
 
     def _validate(self, step: int) -> None:
-        v = validate(self.cfg, self.c)
+        v = validate(self.cfg, self.c, self.dist)
         self.val_history.append((step, v))
         if step > self.logged["val"]:
             self.tracker.log(step, {K.VAL_SUCCESS_RATE: v})

@@ -45,8 +45,9 @@ def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, flo
 
 @torch.no_grad()
 def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *, chunk: int = 64,
-                  ) -> tuple[Batch, dict[str, float]]:
-    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats."""
+                  reduce=None) -> tuple[Batch, dict[str, float]]:
+    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats.
+    `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global."""
     was_training = policy.training
     policy.eval()
     old = forward_in_chunks(lambda i, m: policy_log_probs(policy, i, m), batch, chunk)
@@ -63,7 +64,7 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *, chunk:
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
-        lam=algo.lam, eps=algo.grpo_eps, whiten=algo.whiten_advantages)
+        lam=algo.lam, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce)
     mean, std, mx, mn = masked_stats(adv, batch.loss_mask)
     metrics.update({ADV_MEAN: mean, ADV_STD: std, ADV_MAX: mx, ADV_MIN: mn,
                     RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})

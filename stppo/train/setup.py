@@ -35,8 +35,11 @@ class Components:
 
 
 def device_of(cfg: Config) -> torch.device:
+    """trainer.device; 'auto' is CUDA when present (this process's GPU under torchrun), else CPU."""
     if cfg.trainer.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
     return torch.device(cfg.trainer.device)
 
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from stppo.algos import (agg_loss, clip_bias_grad_norm, clip_bias_term, clipped_surrogate,
+from stppo.algos import (agg_loss, agg_weights, clip_bias_grad_norm, clip_bias_term, clipped_surrogate,
                          explained_variance, importance_ratio, kl_loss, policy_loss, value_loss)
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, TrainerConfig
 from stppo.models import policy_log_probs
 from stppo.tracking import (CLIP_BIAS_GRAD_NORM, CRITIC_GRAD_NORM, ENTROPY, GRAD_NORM,
-                            GRAD_NORM_MAX, LR, SKIPPED_STEPS, VF_EXPLAINED_VAR)
+                            GRAD_NORM_MAX, LR, PG_LOSS, SKIPPED_STEPS, VF_EXPLAINED_VAR, VF_LOSS)
+from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 
 
@@ -28,6 +29,12 @@ class UpdateContext:
     generator: torch.Generator
     opt_steps: int = 0
     nan_at_first_minibatch: bool = False  # fault injection for tests (trainer.debug_nan_steps)
+    dist: Dist = Dist()  # data parallelism (stppo.train.distributed); one process by default
+
+    @property
+    def minibatch_rows(self) -> int:
+        """Rows of this rank's share of one global minibatch of `trainer.minibatch_size`."""
+        return self.trainer.minibatch_size // self.dist.world
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):
@@ -44,40 +51,49 @@ def _correction(algo: AlgoConfig):
 
 
 def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
-    algo = ctx.algo
+    algo, d = ctx.algo, ctx.dist
     params = [p for p in policy.parameters() if p.requires_grad]
+    denoms = d.global_denoms(mb.loss_mask)  # None for one process: this minibatch's own
     lp, ent = policy_log_probs(policy, mb.input_ids, mb.attention_mask, return_entropy=True)
     corr = _correction(algo)
     loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mb.loss_mask, mb.turn_ids,
                           ratio_level=algo.ratio_level, clip_low=algo.clip_low,
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
-                          dual_clip=algo.dual_clip,
+                          dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
                           params=params if corr is not None and corr.estimator == "grad" else None)
+    if denoms is not None:  # this rank's share of the minibatch's loss → the whole
+        m[PG_LOSS] = d.all_sum(m[PG_LOSS])
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
         ratio, _ = importance_ratio(lp, mb.old_log_probs, mb.loss_mask, mb.turn_ids, algo.ratio_level)
         adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
         clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
-        term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg)
-        m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params)
-    entropy = agg_loss(torch.where(mb.loss_mask, ent, 0.0), mb.loss_mask, algo.loss_agg)
-    m[ENTROPY] = entropy.detach()
+        w = None if denoms is None else agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
+        term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
+        m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, d.reduce)
+    entropy = agg_loss(torch.where(mb.loss_mask, ent, 0.0), mb.loss_mask, algo.loss_agg, denoms)
+    m[ENTROPY] = entropy.detach() if denoms is None else d.all_sum(entropy.detach())
     if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
         kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
-                         loss_agg=algo.loss_agg)
+                         loss_agg=algo.loss_agg, global_denoms=denoms)
         loss = loss + algo.kl.coef * kl
-        m.update(km)
+        m.update({k: d.all_sum(v) for k, v in km.items()} if denoms is not None else km)
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * entropy
     return loss, m
 
 
-def _step(loss: torch.Tensor, params: list, optimizer, max_norm: float) -> tuple[torch.Tensor, bool]:
-    """Backward, clip, step. Returns (pre-clip grad norm, applied?)."""
+def _step(loss: torch.Tensor, params: list, optimizer, max_norm: float,
+          d: Dist = Dist()) -> tuple[torch.Tensor, bool]:
+    """Backward, (sum gradients over ranks,) clip, step. Returns (pre-clip grad norm, applied?).
+    A non-finite loss on any rank skips the step on every rank."""
     optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
+    bad = not bool(torch.isfinite(loss))
+    if not bad:
+        loss.backward()
+    if d.sync_grads(params, bad):
+        optimizer.zero_grad(set_to_none=True)
         return torch.tensor(float("nan")), False
-    loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
@@ -91,11 +107,11 @@ def actor_update(policy, optimizer, batch: Batch, ctx: UpdateContext) -> dict[st
     params = [p for p in policy.parameters() if p.requires_grad]
     acc, skipped = MetricAccumulator(), 0
     policy.train()
-    for i, idx in enumerate(minibatches(len(batch), tr.minibatch_size, tr.ppo_epochs, ctx.generator)):
+    for i, idx in enumerate(minibatches(len(batch), ctx.minibatch_rows, tr.ppo_epochs, ctx.generator)):
         loss, m = _actor_loss(policy, batch.select(idx), ctx)
         if i == 0 and ctx.nan_at_first_minibatch:
             loss = loss * float("nan")
-        norm, applied = _step(loss, params, optimizer, tr.max_grad_norm)
+        norm, applied = _step(loss, params, optimizer, tr.max_grad_norm, ctx.dist)
         skipped += not applied
         ctx.opt_steps += 1
         m[GRAD_NORM] = m[GRAD_NORM_MAX] = norm
@@ -111,11 +127,15 @@ def critic_update(critic, optimizer, batch: Batch, ctx: UpdateContext) -> dict[s
     params = [p for p in critic.parameters() if p.requires_grad]
     acc = MetricAccumulator()
     critic.train()
-    for idx in minibatches(len(batch), tr.minibatch_size, tr.ppo_epochs, ctx.generator):
+    for idx in minibatches(len(batch), ctx.minibatch_rows, tr.ppo_epochs, ctx.generator):
         mb = batch.select(idx)
         v = critic.values(mb.input_ids, mb.attention_mask)
-        loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, clip_range=ctx.algo.vf_clip)
-        norm, _ = _step(loss, params, optimizer, tr.max_grad_norm)
+        denoms = ctx.dist.global_denoms(mb.loss_mask)
+        loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, clip_range=ctx.algo.vf_clip,
+                             global_denoms=denoms)
+        if denoms is not None:  # this rank's share of the minibatch's loss → the whole
+            m[VF_LOSS] = ctx.dist.all_sum(m[VF_LOSS])
+        norm, _ = _step(loss, params, optimizer, tr.max_grad_norm, ctx.dist)
         m[CRITIC_GRAD_NORM] = norm
         acc.add(m)
     out = acc.reduce()

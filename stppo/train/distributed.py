@@ -1,0 +1,151 @@
+"""Data parallelism for one run: `torchrun --nproc_per_node=P run.py ...` (gloo on CPU, NCCL on GPU).
+
+Each rank rolls out its share of the step's questions (whole groups: a GRPO group never spans
+ranks) and keeps a full replica of the policy and critic. The update is the single-process update
+of the global batch:
+
+    loss denominators   D_tok, D_seq all-reduced per minibatch (`global_denoms`): each rank's loss
+                        is its share of the whole minibatch's loss
+    gradients           all-reduced as a *sum* (one flat buffer per optimizer step), then clipped
+                        and applied identically on every rank, so the replicas never drift
+    whitening, λ        advantage whitening statistics, clip_bias/norm, the clip-triggered RMS
+                        ratio and the `grad` estimator's ‖C‖ are sums over ranks (`reduce`)
+    metrics             reduced once per step (mean, or max/min for *_max/*_min keys); rank 0 logs
+
+A single process is the same code with `world == 1` (every collective is the identity).
+Minibatches: each rank takes `minibatch_size / world` of its rows per optimizer step, so a global
+minibatch has `minibatch_size` rows; with one minibatch per epoch the update equals the
+single-process update to float tolerance (tests/test_distributed.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from stppo.tracking import reduce_name
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in the data-parallel group (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives (identity for a single process) -------------------------------------------
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over ranks of `x` (a new tensor; `x` is not modified)."""
+        if not self.active:
+            return x
+        y = x.detach().clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        return y
+
+    @property
+    def reduce(self):
+        """The all-reduce-sum hook of `stppo.algos` (None for a single process)."""
+        return self.all_sum if self.active else None
+
+    def global_denoms(self, loss_mask: torch.Tensor):
+        """(D_tok, D_seq) of the global minibatch, or None for a single process."""
+        if not self.active:
+            return None
+        d = self.all_sum(torch.stack([loss_mask.sum(), loss_mask.any(dim=1).sum()]).double())
+        return d[0], d[1]
+
+    def sync_grads(self, params: Sequence[torch.Tensor], bad: bool) -> bool:
+        """Sum the gradients of `params` over ranks in one flat buffer; returns whether any rank
+        flagged its step `bad` (a non-finite loss), so that all ranks skip it together."""
+        if not self.active:
+            return bad
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
+                          for p in params] + [torch.tensor([float(bad)], device=params[0].device,
+                                                           dtype=params[0].dtype)])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        i = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(flat[i:i + n].view_as(p))
+            i += n
+        return bool(flat[-1] > 0)
+
+    def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """One value per key over ranks: mean, or max/min for *_max/*_min keys (CONVENTIONS 5).
+        Every rank must pass the same keys (the same code path runs on each)."""
+        if not self.active:
+            return dict(metrics)
+        keys = sorted(metrics)
+        x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        how = [reduce_name(k) for k in keys]
+        mx, mn = x.clone(), x.clone()
+        mx[[h != "max" for h in how]] = float("-inf")
+        mn[[h != "min" for h in how]] = float("inf")
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        dist.all_reduce(mn, op=dist.ReduceOp.MIN)
+        return {k: float(mx[i] if h == "max" else mn[i] if h == "min" else x[i] / self.world)
+                for i, (k, h) in enumerate(zip(keys, how))}
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers to every rank."""
+        if self.active:
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's share of `items` (every world-th one, starting at its rank)."""
+        return list(items[self.rank::self.world])
+
+
+def from_env() -> Dist:
+    """The group torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init(device: torch.device) -> Dist:
+    """Join the process group torchrun started (gloo on CPU, NCCL on CUDA); a no-op without it."""
+    d = from_env()
+    if d.active and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+        log.info("data parallel: rank %d of %d (%s)", d.rank, d.world, backend)
+    return d
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_divisible(world: int, questions_per_step: int, minibatch_size: int) -> None:
+    """Every rank must run the same number of minibatches: one-line error otherwise."""
+    for name, value in (("trainer.questions_per_step", questions_per_step),
+                        ("trainer.minibatch_size", minibatch_size)):
+        if value % world:
+            raise ValueError(f"{name}={value} must be divisible by the number of data-parallel "
+                             f"processes ({world})")

@@ -1,0 +1,140 @@
+"""One PPO update of a fixed global batch, run under torchrun with 1 or 2 processes.
+
+    python -m torch.distributed.run --nproc_per_node=P tests/dp_update.py OUT.pt
+
+Every process builds the same tiny Qwen2 policy, critic and global batch (8 trajectories in
+4 groups of 2, multi-turn layout), keeps its share of the groups (`Dist.shard` of the trainer's
+rule: whole groups per rank), then runs the trainer's own `prepare_batch`, `actor_update` and
+`critic_update`. Rank 0 saves the updated parameters and the step's metrics (reduced over ranks);
+tests/test_distributed.py compares the 1- and 2-process files.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from stppo.batch import Batch
+from stppo.config import AlgoConfig, TrainerConfig
+from stppo.models import ValueModel
+from stppo.train import distributed
+from stppo.train.prepare import prepare_batch
+from stppo.train.update import UpdateContext, actor_update, critic_update
+
+N_GROUPS, GROUP, T, VOCAB = 4, 2, 28, 48
+
+# name -> algo overrides: every ratio level, advantage estimator and correction whose statistics
+# must be global (whitening, clip_bias/norm, the clip-triggered ratio, the grad estimator). Small
+# τ make the corrections act on the second epoch's clipped tokens.
+CASES = {
+    "ppo": dict(name="ppo", ratio_level="token", advantage="gae", use_critic=True),
+    "st_ppo": dict(name="st_ppo", ratio_level="turn", advantage="gae", use_critic=True,
+                   correction={"kind": "clip_bias_norm", "tau": 0.05}),
+    "s_ppo_grad": dict(name="s_ppo", ratio_level="sequence", advantage="gae", use_critic=True,
+                       correction={"kind": "clip_bias_norm", "tau": 1e-4, "estimator": "grad"}),
+    "so_grpo": dict(name="so_grpo", ratio_level="sequence", advantage="grpo", use_critic=False,
+                    correction={"kind": "clip_triggered", "tau": 0.1}),
+    "turn_ppo_kl": dict(name="turn_ppo", ratio_level="turn", advantage="gae", use_critic=True,
+                        loss_agg="token-mean", kl={"coef": 0.1}),
+}
+
+
+def algo_config(case: str) -> AlgoConfig:
+    from stppo.config import to_config, compose
+    overrides = [f"algo={CASES[case]['name']}"]
+    cfg = to_config(compose(overrides))
+    a = cfg.algo
+    for k, v in CASES[case].items():
+        if k == "correction":
+            a = replace(a, correction=replace(a.correction, **v))
+        elif k == "kl":
+            a = replace(a, kl=replace(a.kl, **v))
+        elif k != "name":
+            a = replace(a, **{k: v})
+    return a
+
+
+def global_batch() -> Batch:
+    """A deterministic multi-turn batch: prompt, then agent turns separated by observations."""
+    g = torch.Generator().manual_seed(1234)
+    n = N_GROUPS * GROUP
+    ids = torch.randint(1, VOCAB, (n, T), generator=g)
+    attn = torch.zeros(n, T, dtype=torch.bool)
+    loss = torch.zeros(n, T, dtype=torch.bool)
+    turns = torch.full((n, T), -1, dtype=torch.long)
+    for i in range(n):
+        length = int(torch.randint(T - 8, T + 1, (1,), generator=g))
+        attn[i, :length] = True
+        pos, turn = 4, 0  # 4 prompt tokens
+        while pos < length:
+            a = int(torch.randint(2, 6, (1,), generator=g))
+            loss[i, pos:min(pos + a, length)] = True
+            turns[i, pos:min(pos + a, length)] = turn
+            pos += a + int(torch.randint(2, 5, (1,), generator=g))  # then an observation
+            turn += 1
+    ids = torch.where(attn, ids, 0)
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
+                 group_ids=torch.arange(N_GROUPS).repeat_interleave(GROUP), scores=scores)
+
+
+def models():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    policy = Qwen2ForCausalLM(config).float()
+    critic = ValueModel.from_policy(policy)
+    return policy, critic
+
+
+def run_case(case: str, d: distributed.Dist) -> dict:
+    algo = algo_config(case)
+    # 2 epochs of one global minibatch: the second epoch is off-policy (clipped tokens, λ < 1)
+    trainer = TrainerConfig(ppo_epochs=2, minibatch_size=N_GROUPS * GROUP, max_grad_norm=1e9,
+                            exact_clip_bias_every=1)
+    policy, critic = models()
+    ref = None
+    if algo.kl.coef > 0:
+        from stppo.models import reference_model
+        ref = reference_model(policy)
+    critic = critic if algo.use_critic else None
+    full = global_batch()
+    mine = torch.tensor([i for i in range(len(full)) if int(full.group_ids[i]) % d.world == d.rank])
+    batch, metrics = prepare_batch(full.select(mine), policy, critic, ref, algo, reduce=d.reduce)
+    ctx = UpdateContext(algo, trainer, torch.Generator().manual_seed(0), dist=d)
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=3e-2, weight_decay=0.0)
+    metrics.update(actor_update(policy, actor_opt, batch, ctx))
+    if critic is not None:
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-2, weight_decay=0.0)
+        metrics.update(critic_update(critic, critic_opt, batch, ctx))
+    metrics = d.reduce_metrics(metrics)
+    return {"policy": {k: v.detach().clone() for k, v in policy.state_dict().items()},
+            "critic": critic.state_dict() if critic is not None else None,
+            "advantages": batch.advantages, "rows": mine, "metrics": metrics}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    d = distributed.init(torch.device("cpu"))
+    results = {case: run_case(case, d) for case in CASES}
+    if d.world > 1:  # gather every rank's advantages so the test can compare whitening
+        import torch.distributed as dist
+        gathered = [None] * d.world
+        dist.all_gather_object(gathered, {c: (r["rows"], r["advantages"]) for c, r in results.items()})
+        for c in results:
+            adv = torch.zeros_like(global_batch().input_ids, dtype=torch.float32)
+            for part in gathered:
+                rows, a = part[c]
+                adv[rows] = a
+            results[c]["advantages"] = adv
+    if d.is_main:
+        torch.save(results, out)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,98 @@
+"""Data-parallel training under torchrun (gloo on CPU): a 2-process update equals the 1-process
+update of the same global batch, and `torchrun --nproc_per_node=2 run.py` logs one run once."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT as REPO, free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def torchrun(nproc: int, *args: str, cwd: Path = REPO, env: dict | None = None,
+             timeout: int = 480) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    res = {}
+    for nproc in (1, 2):
+        p = torchrun(nproc, str(REPO / "tests" / "dp_update.py"), str(out / f"{nproc}.pt"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        res[nproc] = torch.load(out / f"{nproc}.pt", weights_only=False)
+    return res
+
+
+CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_process_update_equals_one_process(updates, case):
+    one, two = updates[1][case], updates[2][case]
+    sys.path.insert(0, str(REPO / "tests"))
+    from dp_update import models
+    init = models()[0].state_dict()
+    moved = max(float((one["policy"][k] - init[k]).abs().max()) for k in init)
+    assert moved > 1e-2  # the update did something (lr 3e-2, two optimizer steps)
+    for k in one["policy"]:  # Adam amplifies float-order noise on near-zero gradients: ~1e-5
+        torch.testing.assert_close(two["policy"][k], one["policy"][k], atol=2e-4, rtol=0)
+    if one["critic"] is not None:
+        for k in one["critic"]:
+            torch.testing.assert_close(two["critic"][k], one["critic"][k], atol=2e-4, rtol=0)
+    # whitening over both ranks' agent tokens
+    torch.testing.assert_close(two["advantages"], one["advantages"], atol=1e-5, rtol=1e-5)
+    m1, m2 = one["metrics"], two["metrics"]
+    # global quantities: the loss, λ, ‖C‖ and the pre-clip gradient norm of the whole batch
+    for key in ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref"):
+        if key in m1:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_corrections_act_in_the_check(updates):
+    """The equality above covers λ < 1 (the corrections act), else it would prove little."""
+    for case in ("st_ppo", "s_ppo_grad", "so_grpo"):
+        assert updates[1][case]["metrics"]["clip_bias/scale"] < 0.9, case
+
+
+def test_torchrun_run_py_logs_one_run(tmp_path):
+    db = tmp_path / "mlflow.db"
+    p = torchrun(2, str(REPO / "run.py"), "+experiment=quick", "algo=st_ppo",
+                 f"tracking.uri=sqlite:///{db}", f"trainer.out_dir={tmp_path / 'out'}",
+                 f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.progress=false",
+                 "trainer.val_every=2", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    con = sqlite3.connect(db)
+    runs = con.execute("select run_uuid, status from runs").fetchall()
+    assert len(runs) == 1 and runs[0][1] == "FINISHED", runs
+    run = runs[0][0]
+    tags = dict(con.execute("select key, value from tags where run_uuid=?", (run,)).fetchall())
+    assert tags["world_size"] == "2" and tags["algo"] == "st_ppo"
+    steps = [s for (s,) in con.execute(
+        "select step from metrics where run_uuid=? and key='perf/step_time_s' order by step", (run,))]
+    assert steps == [1, 2, 3]  # each step logged once, by rank 0 only
+    val = [s for (s,) in con.execute(
+        "select step from metrics where run_uuid=? and key='val/success_rate' order by step", (run,))]
+    assert val == [0, 2, 3]
+
+
+def test_indivisible_batch_is_one_clear_error(tmp_path):
+    p = torchrun(2, str(REPO / "run.py"), "+experiment=quick", "trainer.questions_per_step=7",
+                 f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path}",
+                 cwd=tmp_path, timeout=180)
+    assert p.returncode != 0
+    assert "trainer.questions_per_step=7 must be divisible by the number of data-parallel " \
+           "processes (2)" in p.stderr
