@@ -16,7 +16,7 @@ from stppo.algos.loss import policy_loss
 from stppo.algos.presets import DEFAULT_LOSS_AGG, PRESETS, Preset, register_preset
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
                                 token_ratio, turn_ratio)
-from stppo.algos.registry import Registry, UnknownNameError
+from stppo.registry import Registry, UnknownNameError
 from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, surrogate_parts
 from stppo.algos.value import explained_variance, value_loss
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 
 WHITEN_EPS = 1e-8
 

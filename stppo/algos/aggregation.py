@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 
 Denom = Union[torch.Tensor, float, int]
 GlobalDenoms = Optional[Sequence[Denom]]

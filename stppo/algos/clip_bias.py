@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 
 from stppo.algos.aggregation import agg_weights, weighted_sum
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 from stppo.tracking import CLIP_BIAS_GRAD_NORM
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]  # all-reduce sum over shards, or None

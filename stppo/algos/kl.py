@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from stppo.algos.aggregation import GlobalDenoms, agg_loss
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 from stppo.tracking import KL_REF
 
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl estimator")

@@ -25,7 +25,7 @@ from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
 from stppo.algos.clip_bias import CORRECTIONS, DEFAULT_TAU, Correction
 from stppo.algos.ratios import RATIO_LEVELS
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.aggregation import mask_float
-from stppo.algos.registry import Registry
+from stppo.registry import Registry
 from stppo.algos.segments import TurnRatio, TurnSegments
 
 LOG_RATIO_CLAMP = 20.0

@@ -26,6 +26,7 @@ import numpy as np
 from stppo.cache import cache_dir, content_hash
 from stppo.envs.actions import doc_from_contents
 from stppo.envs.base import Doc, Retriever
+from stppo.registry import Registry
 
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # its index-building DEBUG lines are noise
 
@@ -200,16 +201,12 @@ class HttpRetriever:
         return doc_from_contents(str(doc.get("id", "")), str(doc["contents"]))
 
 
-RETRIEVERS: dict[str, Callable[..., Retriever]] = {}
+RETRIEVERS: Registry[Callable[..., Retriever]] = Registry("retriever")
 
 
 def register_retriever(kind: str):
-    def deco(fn):
-        if kind in RETRIEVERS:
-            raise ValueError(f"retriever {kind!r} is already registered")
-        RETRIEVERS[kind] = fn
-        return fn
-    return deco
+    """Decorator adding a retriever builder `fn(*, corpus, **options) -> Retriever`."""
+    return RETRIEVERS.register(kind)
 
 
 @register_retriever("bm25")

@@ -12,18 +12,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from stppo.envs.base import Task
+from stppo.registry import Registry
 
-TASKS: dict[str, Callable[..., Task]] = {}
+TASKS: Registry[Callable[..., Task]] = Registry("task")
 
 
 def register_task(name: str):
     """Decorator adding a task builder `fn(**options) -> Task` to the registry."""
-    def deco(fn: Callable[..., Task]) -> Callable[..., Task]:
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered")
-        TASKS[name] = fn
-        return fn
-    return deco
+    return TASKS.register(name)
 
 
 @register_task("synthetic_multihop")

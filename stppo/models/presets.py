@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from stppo.registry import Registry
+
 Kind = Literal["random", "gguf", "pretrained"]
 KINDS = ("random", "gguf", "pretrained")
 
@@ -37,14 +39,11 @@ class ModelPreset:
             raise ValueError(f"ModelPreset {self.name!r}: kind {self.kind!r} needs a source")
 
 
-MODEL_PRESETS: dict[str, ModelPreset] = {}
+MODEL_PRESETS: Registry[ModelPreset] = Registry("model preset")
 
 
 def register_model_preset(preset: ModelPreset) -> ModelPreset:
-    if preset.name in MODEL_PRESETS:
-        raise ValueError(f"model preset {preset.name!r} is already registered")
-    MODEL_PRESETS[preset.name] = preset
-    return preset
+    return MODEL_PRESETS.register(preset.name, preset)
 
 
 def get_model_preset(name: str) -> ModelPreset:
