@@ -56,7 +56,7 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
-    d = distributed.init(device_of(cfg))
+    distributed.init(device_of(cfg))
     run_dir = run_dir_for(cfg)
     state = checkpoint.load(run_dir) if cfg.trainer.resume else None
     prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None

@@ -61,23 +61,22 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
                           dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
                           params=params if corr is not None and corr.estimator == "grad" else None)
-    if denoms is not None:  # this rank's share of the minibatch's loss → the whole
-        m[PG_LOSS] = d.all_sum(m[PG_LOSS])
+    m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
         ratio, _ = importance_ratio(lp, mb.old_log_probs, mb.loss_mask, mb.turn_ids, algo.ratio_level)
         adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
         clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
-        w = None if denoms is None else agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
+        w = agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
         term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
         m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, d.reduce)
     entropy = agg_loss(torch.where(mb.loss_mask, ent, 0.0), mb.loss_mask, algo.loss_agg, denoms)
-    m[ENTROPY] = entropy.detach() if denoms is None else d.all_sum(entropy.detach())
+    m[ENTROPY] = d.all_sum(entropy.detach())
     if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
         kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
                          loss_agg=algo.loss_agg, global_denoms=denoms)
         loss = loss + algo.kl.coef * kl
-        m.update({k: d.all_sum(v) for k, v in km.items()} if denoms is not None else km)
+        m.update({k: d.all_sum(v) for k, v in km.items()})
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * entropy
     return loss, m
@@ -133,8 +132,7 @@ def critic_update(critic, optimizer, batch: Batch, ctx: UpdateContext) -> dict[s
         denoms = ctx.dist.global_denoms(mb.loss_mask)
         loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, clip_range=ctx.algo.vf_clip,
                              global_denoms=denoms)
-        if denoms is not None:  # this rank's share of the minibatch's loss → the whole
-            m[VF_LOSS] = ctx.dist.all_sum(m[VF_LOSS])
+        m[VF_LOSS] = ctx.dist.all_sum(m[VF_LOSS])  # this rank's share → the whole minibatch's
         norm, _ = _step(loss, params, optimizer, tr.max_grad_norm, ctx.dist)
         m[CRITIC_GRAD_NORM] = norm
         acc.add(m)
