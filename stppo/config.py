@@ -106,7 +106,11 @@ class ModelConfig:
     name: str = MISSING  # preset name (stppo.models presets)
     path: Optional[str] = None  # local directory or hub id overriding the preset's source
     vocab_size: int = 1500  # random-init presets: size of the locally trained BPE
+    # Mixed precision (stppo.models.precision): `dtype` is the compute dtype of forward/backward
+    # (autocast; auto = bfloat16 on CUDA that supports it, float32 on CPU); `param_dtype` the dtype
+    # of parameters and optimizer state (auto = float32 master weights; bfloat16 only on request).
     dtype: str = "auto"  # auto | float32 | bfloat16
+    param_dtype: str = "auto"  # auto | float32 | bfloat16
     gradient_checkpointing: bool = False
     critic_init: str = "policy"  # policy: critic backbone starts from the warm-started policy
 
@@ -115,6 +119,7 @@ class ModelConfig:
 
         _one_of("model.name", self.name, tuple(MODEL_PRESETS))
         _one_of("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _one_of("model.param_dtype", self.param_dtype, ("auto", "float32", "bfloat16"))
         _one_of("model.critic_init", self.critic_init, ("policy", "random"))
         _check(self.vocab_size >= 300, f"model.vocab_size must be >= 300, got {self.vocab_size}")
 

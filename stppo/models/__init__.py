@@ -1,19 +1,23 @@
 """Policy models, tokenizers, the critic and per-token log-probs (DESIGN.md §5: stppo/models/)."""
 
 from stppo.models.critic import ValueModel
-from stppo.models.loading import (build_random_model, count_parameters, default_device,
-                                  default_dtype, enable_checkpointing, load_model, smollm2_checkpoint,
-                                  smollm2_gguf_path)
-from stppo.models.logprobs import policy_log_probs, position_ids_from_mask, reference_model
+from stppo.models.loading import (ModelUnavailable, build_random_model, count_parameters,
+                                  default_device, default_dtype, enable_checkpointing, load_model,
+                                  smollm2_checkpoint, smollm2_gguf_path)
+from stppo.models.logprobs import (policy_log_probs, position_ids_from_mask, reference_model,
+                                   split_head)
+from stppo.models.precision import Precision, resolve_precision
 from stppo.models.presets import (MODEL_PRESETS, ModelPreset, get_model_preset,
                                   register_model_preset)
 from stppo.models.tokenizer import (EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, load_tokenizer,
                                     tags_are_single_tokens, train_tokenizer)
 
 __all__ = [
-    "EOS_TOKEN", "MODEL_PRESETS", "ModelPreset", "PAD_TOKEN", "SPECIAL_TOKENS", "ValueModel",
+    "EOS_TOKEN", "MODEL_PRESETS", "ModelPreset", "ModelUnavailable", "PAD_TOKEN", "Precision",
+    "SPECIAL_TOKENS", "ValueModel",
     "build_random_model", "count_parameters", "default_device", "default_dtype",
     "enable_checkpointing", "get_model_preset", "load_model", "load_tokenizer",
     "policy_log_probs", "position_ids_from_mask", "reference_model", "register_model_preset",
-    "smollm2_checkpoint", "smollm2_gguf_path", "tags_are_single_tokens", "train_tokenizer",
+    "resolve_precision", "smollm2_checkpoint", "smollm2_gguf_path", "split_head",
+    "tags_are_single_tokens", "train_tokenizer",
 ]

@@ -3,7 +3,9 @@
 Alignment matches the log-probs (stppo/batch.py): values[:, t] is V(s_t), the estimate for the
 state in which token t is generated, i.e. the head applied to the hidden state at t−1:
     values[:, t] = w · h_{t−1} + b   (t ≥ 1),   values[:, 0] = 0,
-so values[:, t] depends only on ids[:, :t]. Padding positions carry 0.
+so values[:, t] depends only on ids[:, :t]. Padding positions carry 0, and so do positions
+outside `positions` when given: the trainer asks for agent tokens only (GAE, the value loss and
+explained variance read nothing else), so the head runs on those hidden states only, in float32.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from stppo.models.loading import enable_checkpointing
-from stppo.models.logprobs import position_ids_from_mask
+from stppo.models.logprobs import (hidden_states, linear_fp32, scatter_rows, target_positions)
 
 _CONFIG = "config.json"
 _WEIGHTS = "value_model.safetensors"
@@ -36,7 +38,7 @@ class ValueModel(nn.Module):
     @classmethod
     def from_policy(cls, policy, *, init_from_policy: bool = True) -> "ValueModel":
         """A critic with the policy's architecture, its backbone optionally copied from the policy
-        (the value head is always fresh). Same dtype and device as the policy."""
+        (the value head is always fresh). Same parameter dtype and device as the policy."""
         param = next(policy.parameters())
         critic = cls(policy.config)
         if init_from_policy:
@@ -46,18 +48,18 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.values(input_ids, attention_mask)
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(N, T) ids and mask → (N, T) float32 values, aligned as in the module docstring."""
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, T) ids and mask → (N, T) float32 values, aligned as in the module docstring;
+        `positions` (bool (N, T)): compute only there (0 elsewhere)."""
         if input_ids.dim() != 2 or tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (N, T)")
         mask = attention_mask.bool()
-        hidden = self.backbone(input_ids=input_ids, attention_mask=mask.long(),
-                               position_ids=position_ids_from_mask(mask),
-                               use_cache=False).last_hidden_state  # (N, T, H)
-        v = self.value_head(hidden[:, :-1]).squeeze(-1).float()  # (N, T-1) — V(s_t) for t ≥ 1
-        v = v.masked_fill(~(mask[:, 1:] & mask[:, :-1]), 0.0)
-        return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)  # (N, T)
+        sel = target_positions(mask, positions)  # (N, T-1): V(s_t) for t >= 1
+        hidden = hidden_states(self.backbone, input_ids, mask)  # (N, T, H)
+        v = linear_fp32(hidden[:, :-1][sel], self.value_head).squeeze(-1)  # (M,) float32
+        return scatter_rows(v, sel)  # (N, T)
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute the backbone's activations in the backward pass (the policy's option)."""

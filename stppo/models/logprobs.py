@@ -1,9 +1,16 @@
 """Per-token log-probabilities of a batch under a causal LM, and the frozen reference model.
 
-Alignment (stppo/batch.py): log_probs[:, t] = log π(ids[t] | ids[:t]), read from the logits at
-position t−1; position 0 carries no log-prob (0). Position ids come from the attention mask
+Alignment (stppo/batch.py): log_probs[:, t] = log π(ids[t] | ids[:t]), read from the hidden state
+at position t−1; position 0 carries no log-prob (0). Position ids come from the attention mask
 (cumsum − 1, clamped at 0), so right- and left-padded layouts of the same rows give the same
 numbers — the rollout engine left-pads, the trainer right-pads.
+
+Only the positions whose log-probs are needed pay for the vocabulary: the backbone runs over the
+whole sequence (under the caller's autocast), then the LM head, log-softmax and entropy run on the
+gathered hidden states of the `positions` tokens only (agent tokens in the trainer; at a 152k
+vocabulary the head is most of a forward's cost, and prompt and observation tokens are often more
+than half of a multi-turn sequence). The head runs in float32 (autocast off, float32 weights):
+log-probs and entropies are never computed from low-precision logits.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
+from stppo.models.precision import full_precision
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -21,40 +29,98 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
-def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           positions: torch.Tensor | None = None) -> None:
     if input_ids.dim() != 2 or tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                          f"{tuple(attention_mask.shape)} must both be (N, T)")
+    if positions is not None and (tuple(positions.shape) != tuple(input_ids.shape)
+                                  or positions.dtype != torch.bool):
+        raise ValueError(f"positions must be a bool (N, T) tensor like input_ids, got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+
+
+def split_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(backbone returning `last_hidden_state`, linear LM head) of a causal LM whose logits are
+    exactly head(backbone(x)) — Qwen2, Llama and the like; None for models that post-process
+    logits (soft-capping, scaling), which then take the full forward."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    cfg = getattr(model, "config", None)
+    post = any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if not isinstance(head, torch.nn.Linear) or base is None or base is model or post:
+        return None
+    return base, head
+
+
+def linear_fp32(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """layer(x) in float32 with autocast off (a float32 copy of low-precision weights)."""
+    w, b = layer.weight, layer.bias
+    if w.dtype != torch.float32:
+        w, b = w.float(), (b.float() if b is not None else None)
+    with full_precision(x.device.type):
+        return F.linear(x.float(), w, b)
+
+
+def hidden_states(backbone, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N, T, H) last hidden states (after the final norm), position ids from the mask."""
+    return backbone(input_ids=input_ids, attention_mask=mask.long(),
+                    position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
+
+
+def target_positions(attention_mask: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, T−1) bool: token t+1 gets a log-prob — real, not a row's first real token, and in
+    `positions` when given."""
+    mask = attention_mask.bool()
+    sel = mask[:, 1:] & mask[:, :-1]
+    return sel if positions is None else sel & positions[:, 1:]
+
+
+def scatter_rows(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """(M,) values of the True entries of `sel` (N, T−1) → (N, T) float32, 0 elsewhere and at
+    t = 0 (differentiable in `values`)."""
+    n = sel.shape[0]
+    out = values.new_zeros(sel.shape).masked_scatter(sel, values)  # (N, T-1)
+    return torch.cat([values.new_zeros(n, 1), out], dim=1)
 
 
 def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     return_entropy: bool = False):
-    """log π(ids[t] | ids[:t]) at every position → (N, T); 0 at each row's first real token
-    (t=0 when right-padded) and on padding.
+                     return_entropy: bool = False, positions: torch.Tensor | None = None):
+    """log π(ids[t] | ids[:t]) → (N, T) float32, 0 at each row's first real token (t=0 when
+    right-padded), on padding, and off `positions` (bool (N, T); None = every real token).
 
     With `return_entropy`, also H_t = −Σ_v π(v | ids[:t]) log π(v | ids[:t]) → (N, T), the
-    entropy of the distribution that produced token t (0 at t=0 and on padding).
-    Gradients flow when the caller has them enabled.
+    entropy of the distribution that produced token t (0 where the log-prob is 0 by the rule
+    above). Gradients flow when the caller has them enabled.
     """
-    _check(input_ids, attention_mask)
+    _check(input_ids, attention_mask, positions)
     mask = attention_mask.bool()
-    out = model(input_ids=input_ids, attention_mask=mask.long(),
-                position_ids=position_ids_from_mask(mask), use_cache=False)
-    logits = out.logits  # (N, T, V) — logits[:, t] predicts ids[:, t+1]; kept contiguous
-    targets = F.pad(input_ids[:, 1:], (0, 1))  # (N, T) — last column is a dummy
-    lp = token_log_probs(logits, targets)[:, :-1].float()  # (N, T-1)
-    valid = mask[:, 1:] & mask[:, :-1]  # (N, T-1) — a row's first real token has no log-prob
-    zero = lp.new_zeros(lp.shape[0], 1)
-    log_probs = torch.cat([zero, lp.masked_fill(~valid, 0.0)], dim=1)  # (N, T)
-    if not return_entropy:
-        return log_probs
-    ent = entropy_from_logits(logits)[:, :-1].float().masked_fill(~valid, 0.0)  # (N, T-1)
-    return log_probs, torch.cat([zero, ent], dim=1)
+    sel = target_positions(mask, positions)  # (N, T-1)
+    targets = input_ids[:, 1:][sel]  # (M,)
+    parts = split_head(model)
+    if parts is not None:
+        backbone, head = parts
+        hidden = hidden_states(backbone, input_ids, mask)  # (N, T, H)
+        logits = linear_fp32(hidden[:, :-1][sel], head)  # (M, V) float32, needed positions only
+    else:  # full forward; the logits of the needed positions in float32
+        out = model(input_ids=input_ids, attention_mask=mask.long(),
+                    position_ids=position_ids_from_mask(mask), use_cache=False)
+        logits = out.logits[:, :-1][sel].float()  # (M, V)
+    with full_precision(logits.device.type):
+        lp = scatter_rows(token_log_probs(logits, targets), sel)  # (N, T)
+        if not return_entropy:
+            return lp
+        return lp, scatter_rows(entropy_from_logits(logits), sel)
 
 
-def reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of `model` (eval mode, no gradients) — π_ref for the KL term."""
+def reference_model(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A frozen copy of `model` (eval mode, no gradients) — π_ref for the KL term; held in
+    `dtype` when given (a bfloat16 reference halves its memory; its log-probs still come from a
+    float32 head)."""
     ref = copy.deepcopy(model)
+    if dtype is not None:
+        ref = ref.to(dtype=dtype)
     ref.eval()
     ref.requires_grad_(False)
     return ref

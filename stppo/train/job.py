@@ -18,6 +18,7 @@ from stppo.config import Config, to_config
 from stppo.train import checkpoint, distributed
 from stppo.train.loop import Trainer, read_run_info, resolved_yaml, run_dir_for, write_run_info
 from stppo.train.setup import build_components, device_of
+from stppo.train.update import old_log_probs_from_update
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,14 @@ def run_tags(cfg: Config) -> dict[str, str]:
     return {K.TAG_ALGO: cfg.algo.name, K.TAG_MODEL: cfg.model.name, K.TAG_TASK: cfg.task.name,
             K.TAG_SEED: str(cfg.seed), K.TAG_SWEEP: cfg.tracking.sweep, K.TAG_GIT_COMMIT: git_commit(),
             **cfg.tracking.tags}
+
+
+def run_params(cfg: Config) -> dict[str, str]:
+    """The flattened config, plus what the trainer derives from it that a reader must know:
+    `derived.old_log_prob_pass` — `skipped` when the update is provably on-policy and takes its
+    old log-probs from its own forward, else `computed` (a separate no-grad forward)."""
+    skipped = old_log_probs_from_update(cfg)
+    return {**K.flatten(asdict(cfg)), "derived.old_log_prob_pass": "skipped" if skipped else "computed"}
 
 
 class Terminated(Exception):
@@ -62,7 +71,7 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None
     tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
                         enabled=cfg.tracking.enabled and d.is_main)
-    run_id = tracker.start(tags={**run_tags(cfg), **_dist_tags(d)}, params=K.flatten(asdict(cfg)),
+    run_id = tracker.start(tags={**run_tags(cfg), **_dist_tags(d)}, params=run_params(cfg),
                            run_name=cfg.tracking.run_name or run_dir.name, run_id=prev_id,
                            artifacts={"config.yaml": resolved_yaml(cfg)})
     if d.is_main:

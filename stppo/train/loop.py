@@ -33,7 +33,8 @@ from stppo.train import checkpoint
 from stppo.train.distributed import Dist
 from stppo.train.prepare import prepare_batch
 from stppo.train.setup import Components
-from stppo.train.update import UpdateContext, actor_update, critic_update
+from stppo.train.update import (UpdateContext, actor_update, critic_update,
+                                old_log_probs_from_update)
 
 log = logging.getLogger(__name__)
 VAL_CHUNK = 256
@@ -80,7 +81,8 @@ def validate(cfg: Config, comps: Components, d: Dist = Dist()) -> float:
     rc = rollout_config(cfg, greedy=True)
     total = torch.zeros((), dtype=torch.float64)
     for i in range(0, len(mine), VAL_CHUNK):
-        b = rollout(comps.policy, comps.tokenizer, comps.env, mine[i:i + VAL_CHUNK], rc)
+        with comps.precision.autocast():
+            b = rollout(comps.policy, comps.tokenizer, comps.env, mine[i:i + VAL_CHUNK], rc)
         total += b.scores.double().sum()
     return float(d.all_sum(total)) / max(1, len(qs))
 
@@ -107,7 +109,9 @@ class Trainer:
         self.critic_opt = (torch.optim.AdamW(comps.critic.parameters(), lr=tr.critic_lr,
                                              weight_decay=tr.weight_decay) if comps.critic else None)
         self.detector = CollapseDetector(tr.collapse)
-        self.ctx = UpdateContext(cfg.algo, tr, torch.Generator(), dist=dist)
+        self.ctx = UpdateContext(cfg.algo, tr, torch.Generator(), dist=dist,
+                                 precision=comps.precision)
+        self.skip_old = old_log_probs_from_update(cfg)
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
@@ -167,9 +171,11 @@ class Trainer:
         qs = [q for q in d.shard(qs) for _ in range(cfg.trainer.group_size)]  # whole groups
         salt = "rollout" if d.rank == 0 else f"rollout-rank{d.rank}"
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
-        batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+        with c.precision.autocast():
+            batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
         t_roll = time.perf_counter() - t0
-        batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce)
+        batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
+                                       precision=c.precision, skip_old=self.skip_old)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:

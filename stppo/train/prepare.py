@@ -2,6 +2,11 @@
 
     rollout (π_old) → old_log_probs, ref_log_probs, values → rewards (+ KL if in reward)
                     → advantages and returns of the preset
+
+Every forward computes the agent tokens only (the LM and value heads run on those positions)
+under the run's precision (autocast). When the update is provably on-policy (`skip_old`: see
+`stppo.train.update.old_log_probs_from_update`) the old log-probs are not computed here: the
+update takes the detached log-probs of its own forward, the same numbers, one forward less.
 """
 
 from __future__ import annotations
@@ -13,16 +18,21 @@ import torch
 from stppo.algos import compute_advantages, kl_in_reward
 from stppo.batch import Batch
 from stppo.config import AlgoConfig
-from stppo.models import policy_log_probs
+from stppo.models import Precision, policy_log_probs
 from stppo.tracking import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
 @torch.no_grad()
 def forward_in_chunks(fn, batch: Batch, chunk: int) -> torch.Tensor:
-    """fn(input_ids, attention_mask) → (n, T) over row chunks of the batch, concatenated."""
-    outs = [fn(batch.input_ids[i:i + chunk], batch.attention_mask[i:i + chunk])
-            for i in range(0, len(batch), chunk)]
+    """fn(input_ids, attention_mask, positions) → (n, T) over row chunks of the batch,
+    concatenated; `positions` is the chunk's loss mask (the agent tokens)."""
+    outs = [fn(batch.input_ids[i:i + chunk], batch.attention_mask[i:i + chunk],
+               batch.loss_mask[i:i + chunk]) for i in range(0, len(batch), chunk)]
     return torch.cat(outs, dim=0)
+
+
+def _log_probs(model):
+    return lambda ids, mask, pos: policy_log_probs(model, ids, mask, positions=pos)
 
 
 def outcome_rewards(batch: Batch) -> torch.Tensor:
@@ -45,19 +55,27 @@ def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, flo
 
 @torch.no_grad()
 def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *, chunk: int = 64,
-                  reduce=None) -> tuple[Batch, dict[str, float]]:
+                  reduce=None, precision: Precision = Precision(),
+                  skip_old: bool = False) -> tuple[Batch, dict[str, float]]:
     """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats.
-    `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global."""
-    was_training = policy.training
-    policy.eval()
-    old = forward_in_chunks(lambda i, m: policy_log_probs(policy, i, m), batch, chunk)
-    policy.train(was_training)
-    ref_lp = forward_in_chunks(lambda i, m: policy_log_probs(ref, i, m), batch, chunk) if ref is not None else None
-    values = forward_in_chunks(critic.values, batch, chunk) if critic is not None else None
+    `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global.
+    `skip_old`: leave old_log_probs None for the update to fill (an on-policy update)."""
+    with precision.autocast():
+        old = None
+        if not skip_old:
+            was_training = policy.training
+            policy.eval()
+            old = forward_in_chunks(_log_probs(policy), batch, chunk)
+            policy.train(was_training)
+        ref_lp = forward_in_chunks(_log_probs(ref), batch, chunk) if ref is not None else None
+        values = (forward_in_chunks(lambda i, m, p: critic.values(i, m, positions=p), batch, chunk)
+                  if critic is not None else None)
 
     metrics: dict[str, float] = {}
     rewards = outcome_rewards(batch)
     if ref_lp is not None and algo.kl.in_reward and algo.kl.coef > 0:
+        if old is None:
+            raise ValueError("the KL penalty in the reward needs the old log-probs: skip_old=False")
         rewards, kl_m = kl_in_reward(rewards, old, ref_lp, batch.loss_mask,
                                      beta=algo.kl.coef, kind=algo.kl.estimator)
         metrics.update({k: float(v) for k, v in kl_m.items()})

@@ -15,7 +15,8 @@ import torch
 from stppo.cache import content_hash
 from stppo.config import Config
 from stppo.envs import SearchEnv, Task, build_retriever, build_task, run_oracle, tokenizer_texts
-from stppo.models import (MODEL_PRESETS, ValueModel, load_model, reference_model)
+from stppo.models import (MODEL_PRESETS, Precision, ValueModel, load_model, reference_model,
+                          resolve_precision)
 from stppo.train import sft
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Components:
     critic: ValueModel | None
     ref: torch.nn.Module | None
     warmstart_loss: float | None
+    precision: Precision = Precision()  # params float32, compute under autocast when mixed
 
 
 def device_of(cfg: Config) -> torch.device:
@@ -54,27 +56,30 @@ def build_env(cfg: Config, task: Task, tokenizer=None) -> SearchEnv:
 def build_components(cfg: Config, *, progress: bool = True) -> Components:
     task = build_task(cfg.task.name, **dict(cfg.task.options))
     device = device_of(cfg)
+    precision = resolve_precision(cfg.model.dtype, cfg.model.param_dtype, device)
     preset = MODEL_PRESETS[cfg.model.name]
     source = cfg.model.path or cfg.model.name
     env = build_env(cfg, task)
     texts = list(tokenizer_texts(task, env)) if preset.kind == "random" and not cfg.model.path else None
     policy, tokenizer = load_model(source, texts=texts, vocab_size=cfg.model.vocab_size,
-                                   seed=WARMSTART_SEED, dtype=cfg.model.dtype, device=device,
+                                   seed=WARMSTART_SEED, dtype=precision.param_dtype, device=device,
                                    gradient_checkpointing=cfg.model.gradient_checkpointing)
     if cfg.task.prompt_style == "chat":
         env = build_env(cfg, task, tokenizer)
-    ws_loss = warm_start(cfg, task, env, policy, tokenizer, progress=progress)
+    ws_loss = warm_start(cfg, task, env, policy, tokenizer, progress=progress, precision=precision)
     critic = None
     if cfg.algo.use_critic:
         critic = ValueModel.from_policy(policy, init_from_policy=cfg.model.critic_init == "policy")
         if cfg.model.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
-    ref = reference_model(policy) if cfg.algo.kl.coef > 0 else None
-    return Components(task, env, tokenizer, policy, critic, ref, ws_loss)
+    # The frozen reference is held in the compute dtype (half the memory under bf16 autocast).
+    ref = (reference_model(policy, precision.compute_dtype if precision.mixed else None)
+           if cfg.algo.kl.coef > 0 else None)
+    return Components(task, env, tokenizer, policy, critic, ref, ws_loss, precision)
 
 
 def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
-               progress: bool = True) -> float | None:
+               progress: bool = True, precision: Precision = Precision()) -> float | None:
     """SFT the policy on oracle episodes of the task's 'sft' split, through the cache."""
     ws = cfg.trainer.warmstart
     if not ws.enabled or ws.steps == 0:
@@ -99,7 +104,8 @@ def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
         for rep in range(SFT_EPISODES_PER_QUESTION):
             episodes += run_oracle(env, task, questions, error_rate=ws.error_rate,
                                    seed=WARMSTART_SEED + rep)
-        losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED, progress=progress)
+        losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED,
+                               progress=progress, precision=precision)
         final = sum(losses[-20:]) / max(1, len(losses[-20:]))
         torch.save(copy.deepcopy(policy.state_dict()), path / "policy.pt.tmp")
         os.replace(path / "policy.pt.tmp", path / "policy.pt")

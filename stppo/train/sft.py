@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from stppo.cache import cache_dir, content_hash
 from stppo.config import WarmStartConfig
-from stppo.models import policy_log_probs
+from stppo.models import Precision, policy_log_probs
 from stppo.rollout import collate_episodes
 
 log = logging.getLogger(__name__)
@@ -29,14 +29,15 @@ def warmstart_dir(key_parts: dict) -> Path:
 
 def sft_loss(policy, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              loss_mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the agent tokens."""
-    lp = policy_log_probs(policy, input_ids, attention_mask)  # (n, T)
-    return -(torch.where(loss_mask, lp, 0.0).sum() / loss_mask.sum().clamp(min=1))
+    """Token-mean negative log-likelihood of the agent tokens (the head on those tokens only)."""
+    lp = policy_log_probs(policy, input_ids, attention_mask, positions=loss_mask)  # (n, T)
+    return -(lp.sum() / loss_mask.sum().clamp(min=1))
 
 
 def train_sft(policy, tokenizer, episodes, ws: WarmStartConfig, *, seed: int,
-              progress: bool = True) -> list[float]:
-    """Fit `policy` to the episodes' agent tokens; returns the loss curve."""
+              progress: bool = True, precision: Precision = Precision()) -> list[float]:
+    """Fit `policy` to the episodes' agent tokens; returns the loss curve. The forward runs under
+    the run's `precision` (autocast), the optimizer steps its (float32) parameters."""
     batch = collate_episodes(tokenizer, episodes)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=ws.lr, weight_decay=0.0)
@@ -53,7 +54,9 @@ def train_sft(policy, tokenizer, episodes, ws: WarmStartConfig, *, seed: int,
         pos += ws.batch_size
         mb = batch.select(idx)
         keep = mb.attention_mask.any(dim=0).nonzero().max() + 1  # trim right padding
-        loss = sft_loss(policy, mb.input_ids[:, :keep], mb.attention_mask[:, :keep], mb.loss_mask[:, :keep])
+        with precision.autocast():
+            loss = sft_loss(policy, mb.input_ids[:, :keep], mb.attention_mask[:, :keep],
+                            mb.loss_mask[:, :keep])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

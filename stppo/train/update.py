@@ -1,6 +1,9 @@
 """The PPO update: `ppo_epochs` × minibatches of the preset's policy loss, then the critic.
 
-A non-finite loss or gradient skips that optimizer step (counted, never applied).
+A non-finite loss or gradient skips that optimizer step (counted, never applied). Forwards run
+under the run's precision (autocast; heads in float32), backward and the optimizer step on the
+float32 master weights. When the update is provably on-policy (`old_log_probs_from_update`), the
+batch arrives without old log-probs and the minibatch's own detached log-probs stand in for them.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import torch
 from stppo.algos import (agg_loss, agg_weights, clip_bias_grad_norm, clip_bias_term, clipped_surrogate,
                          explained_variance, importance_ratio, kl_loss, policy_loss, value_loss)
 from stppo.batch import Batch
-from stppo.config import AlgoConfig, TrainerConfig
-from stppo.models import policy_log_probs
+from stppo.config import AlgoConfig, Config, TrainerConfig
+from stppo.models import Precision, policy_log_probs
 from stppo.tracking import (CLIP_BIAS_GRAD_NORM, CRITIC_GRAD_NORM, ENTROPY, GRAD_NORM,
                             GRAD_NORM_MAX, LR, PG_LOSS, SKIPPED_STEPS, VF_EXPLAINED_VAR, VF_LOSS)
 from stppo.train.distributed import Dist
@@ -30,11 +33,23 @@ class UpdateContext:
     opt_steps: int = 0
     nan_at_first_minibatch: bool = False  # fault injection for tests (trainer.debug_nan_steps)
     dist: Dist = Dist()  # data parallelism (stppo.train.distributed); one process by default
+    precision: Precision = Precision()  # autocast for the forwards (stppo.models.precision)
 
     @property
     def minibatch_rows(self) -> int:
         """Rows of this rank's share of one global minibatch of `trainer.minibatch_size`."""
         return self.trainer.minibatch_size // self.dist.world
+
+
+def old_log_probs_from_update(cfg: Config) -> bool:
+    """True when the update is provably on-policy, so π_old = π_θ at its only forward and the
+    old log-probs are that forward's detached log-probs (identical numbers): one epoch, one
+    minibatch holding the whole rollout batch, and nothing before the update that reads the old
+    log-probs (the KL penalty in the reward does)."""
+    tr, kl = cfg.trainer, cfg.algo.kl
+    one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
+    kl_reads_old = kl.coef > 0 and kl.in_reward
+    return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):
@@ -54,9 +69,11 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
     algo, d = ctx.algo, ctx.dist
     params = [p for p in policy.parameters() if p.requires_grad]
     denoms = d.global_denoms(mb.loss_mask)  # None for one process: this minibatch's own
-    lp, ent = policy_log_probs(policy, mb.input_ids, mb.attention_mask, return_entropy=True)
+    lp, ent = policy_log_probs(policy, mb.input_ids, mb.attention_mask, return_entropy=True,
+                               positions=mb.loss_mask)  # (n, T) each, agent tokens only
+    old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()  # on-policy: π_old = π_θ
     corr = _correction(algo)
-    loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mb.loss_mask, mb.turn_ids,
+    loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids,
                           ratio_level=algo.ratio_level, clip_low=algo.clip_low,
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
                           dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
@@ -64,13 +81,13 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
     m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
-        ratio, _ = importance_ratio(lp, mb.old_log_probs, mb.loss_mask, mb.turn_ids, algo.ratio_level)
+        ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, algo.ratio_level)
         adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
         clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
         w = agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
         term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
         m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, d.reduce)
-    entropy = agg_loss(torch.where(mb.loss_mask, ent, 0.0), mb.loss_mask, algo.loss_agg, denoms)
+    entropy = agg_loss(ent, mb.loss_mask, algo.loss_agg, denoms)
     m[ENTROPY] = d.all_sum(entropy.detach())
     if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
         kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
@@ -106,8 +123,13 @@ def actor_update(policy, optimizer, batch: Batch, ctx: UpdateContext) -> dict[st
     params = [p for p in policy.parameters() if p.requires_grad]
     acc, skipped = MetricAccumulator(), 0
     policy.train()
+    if batch.old_log_probs is None and (tr.ppo_epochs > 1 or len(batch) > ctx.minibatch_rows):
+        raise ValueError("the batch has no old log-probs, but the update is not on-policy "
+                         f"({tr.ppo_epochs} epochs, {len(batch)} rows in minibatches of "
+                         f"{ctx.minibatch_rows})")
     for i, idx in enumerate(minibatches(len(batch), ctx.minibatch_rows, tr.ppo_epochs, ctx.generator)):
-        loss, m = _actor_loss(policy, batch.select(idx), ctx)
+        with ctx.precision.autocast():
+            loss, m = _actor_loss(policy, batch.select(idx), ctx)
         if i == 0 and ctx.nan_at_first_minibatch:
             loss = loss * float("nan")
         norm, applied = _step(loss, params, optimizer, tr.max_grad_norm, ctx.dist)
@@ -128,7 +150,8 @@ def critic_update(critic, optimizer, batch: Batch, ctx: UpdateContext) -> dict[s
     critic.train()
     for idx in minibatches(len(batch), ctx.minibatch_rows, tr.ppo_epochs, ctx.generator):
         mb = batch.select(idx)
-        v = critic.values(mb.input_ids, mb.attention_mask)
+        with ctx.precision.autocast():
+            v = critic.values(mb.input_ids, mb.attention_mask, positions=mb.loss_mask)
         denoms = ctx.dist.global_denoms(mb.loss_mask)
         loss, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, clip_range=ctx.algo.vf_clip,
                              global_denoms=denoms)
