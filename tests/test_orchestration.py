@@ -170,6 +170,37 @@ def test_missing_data_file_ends_with_one_line_and_a_failed_run(tmp_path):
     assert run.info.status == "FAILED" and "no such file" in run.data.tags["error"]
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["model=qwen2_5_0_5b"], "could not load model 'Qwen/Qwen2.5-0.5B-Instruct' (hub unreachable"),
+    (["model.path=/nowhere/model"], "model directory /nowhere/model does not exist"),
+])
+def test_unloadable_model_ends_with_one_line_and_a_failed_run(tmp_path, overrides, expected):
+    """A hub model without a hub (HF_HUB_OFFLINE, as on a machine without network) or a bad
+    path: the one-line message, exit 1, no traceback and no retry storm; the run is FAILED."""
+    uri = fresh_sqlite(tmp_path)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        res = run_py([*overrides, "+experiment=quick", "trainer.progress=false", f"tracking.uri={uri}",
+                      "tracking.experiment=unloadable", f"hydra.run.dir={tmp_path}/h"], tmp_path,
+                     timeout=180)
+    finally:
+        del os.environ["HF_HUB_OFFLINE"]
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("run.py: error: ") and expected in last, res.stderr[-2000:]
+    assert not any(t in res.stderr for t in TRACEBACK), res.stderr[-2000:]
+    assert "Retrying" not in res.stderr
+    _, (run,) = _runs(uri, "unloadable")
+    assert run.info.status == "FAILED" and expected in run.data.tags["error"]
+
+
+def test_hub_probe_is_fast_and_false_without_a_server():
+    from conftest import free_port
+
+    from stppo.models.loading import hub_reachable
+
+    assert not hub_reachable(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+
+
 # -- multiruns -----------------------------------------------------------------------------------
 def test_multirun_presets_by_seeds_records_every_job(tmp_path, warm_cache):
     uri = fresh_sqlite(tmp_path)
