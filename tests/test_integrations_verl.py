@@ -22,7 +22,7 @@ from test_algos_helpers import make_inputs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --- turn ids --------------------------------------------------------------------------------------
+# --- turn ids ------------------------------------------------------------------------------------
 def loop_turn_ids(mask: torch.Tensor) -> torch.Tensor:
     out = torch.full(mask.shape, -1, dtype=torch.long)
     for i in range(mask.shape[0]):
@@ -62,7 +62,7 @@ def test_turn_ids_reject_a_non_matrix():
         turn_ids_from_mask(torch.ones(5, dtype=torch.bool))
 
 
-# --- Preset.loss_kwargs ----------------------------------------------------------------------------
+# --- Preset.loss_kwargs --------------------------------------------------------------------------
 def test_loss_kwargs_fix_the_preset_and_take_overrides():
     for name, p in PRESETS.items():
         kw = p.loss_kwargs()
@@ -94,7 +94,7 @@ def test_loss_kwargs_call_equals_the_explicit_call():
     assert float(a) == float(b)
 
 
-# --- verl's counts, modes and metrics --------------------------------------------------------------
+# --- verl's counts, modes and metrics ------------------------------------------------------------
 def verl_agg_loss(v, m, mode, dp, n_tok, n_rows):
     """verl 0.9.1 core_algos.agg_loss, written out (its +1e-8 aside)."""
     if mode == "token-mean":

@@ -55,7 +55,8 @@ def test_loss_through_verl_ppo_loss_equals_policy_loss(actor_config, name, agg):
     b = make_batch(seed=1)
     losses, metrics, grad = run_ppo_loss(cfg, b, micro=N)
     d_tok = int(b.response_mask.sum())  # verl's batch_num_tokens; global_batch_size = N rows
-    want_loss, want_grad, want_m = reference(b, name, agg, (d_tok, N), TAU[PRESETS[name].correction])
+    tau = TAU[PRESETS[name].correction]
+    want_loss, want_grad, want_m = reference(b, name, agg, (d_tok, N), tau)
     assert losses[0].dtype == torch.float64
     assert float(losses[0]) == pytest.approx(float(want_loss), rel=0, abs=ATOL)
     assert torch.allclose(grad, want_grad, rtol=0, atol=ATOL)

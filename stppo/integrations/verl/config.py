@@ -1,12 +1,10 @@
 """`StppoPolicyLossConfig`: verl's `PolicyLossConfig` plus stppo's correction knobs.
 
 verl's `PolicyLossConfig` is a closed dataclass (`+…policy_loss.tau=…` fails at instantiation).
-Name this subclass instead, with the knobs as new keys:
+Name this subclass instead, with the knobs as new keys (PL = actor_rollout_ref.actor.policy_loss):
 
-    actor_rollout_ref.actor.policy_loss._target_=stppo.integrations.verl.config.StppoPolicyLossConfig
-    actor_rollout_ref.actor.policy_loss.loss_mode=stppo_st_ppo
-    +actor_rollout_ref.actor.policy_loss.tau=0.5
-    +actor_rollout_ref.actor.policy_loss.granularity=sequence
+    PL._target_=stppo.integrations.verl.config.StppoPolicyLossConfig
+    PL.loss_mode=stppo_st_ppo  +PL.tau=0.5  +PL.granularity=sequence
 
 Only what verl has no field for lives here: clip ranges stay verl's `actor.clip_ratio_low/high`,
 the dual clip its `actor.clip_ratio_c`, the aggregation its `actor.loss_agg_mode`. Importing this
