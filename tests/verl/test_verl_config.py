@@ -32,6 +32,7 @@ def test_target_override_carries_stppo_knobs_to_the_loss():
                                  "actor_rollout_ref.actor.clip_ratio_high=0.28")
     pl = actor.policy_loss
     assert type(pl) is StppoPolicyLossConfig
+    assert TARGET == f"{StppoPolicyLossConfig.__module__}.{StppoPolicyLossConfig.__qualname__}"
     assert (pl.loss_mode, pl.tau, pl.estimator, pl.granularity) == ("stppo_st_ppo", 0.25,
                                                                      "token", "batch")
     assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.28, 3.0)

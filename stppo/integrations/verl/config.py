@@ -21,9 +21,10 @@ from verl.workers.config import PolicyLossConfig
 
 from stppo.integrations.verl import plugin  # noqa: F401 — first: registers, or warns and raises
 from stppo.algos import PRESETS  # noqa: E402
-from stppo.integrations.verl.losses import GRAD_ESTIMATOR_ERROR, LOSS_PREFIX
+from stppo.integrations.verl import LOSS_PREFIX, POLICY_LOSS_TARGET  # noqa: E402
+from stppo.integrations.verl.losses import GRAD_ESTIMATOR_ERROR  # noqa: E402
 
-TARGET = f"{__name__}.StppoPolicyLossConfig"
+TARGET = POLICY_LOSS_TARGET  # this class's dotted name (checked in tests/verl)
 
 
 @dataclass

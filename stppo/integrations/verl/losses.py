@@ -33,20 +33,15 @@ from stppo.algos.aggregation import agg_denoms
 from stppo.algos.presets import POLICY_LOSS_KEYWORDS
 from stppo.algos.ratios import importance_ratio
 from stppo.algos.segments import turn_ids_from_mask
+from stppo.integrations.verl import loss_mode
 from stppo.tracking import PG_CLIPFRAC_LOWER
 
-LOSS_PREFIX = "stppo_"
 # verl's loss_agg_mode → stppo's loss_agg. verl's `token-sum` and `seq-mean-token-sum-norm` have
 # no stppo counterpart (the correction's τ is defined on stppo's three forms): rejected.
 VERL_LOSS_AGGS = {m: m for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}
 GRAD_ESTIMATOR_ERROR = (
     "correction estimator 'grad' needs the policy parameters, which verl does not pass to a "
     "policy loss; use estimator=token with the verl backend")
-
-
-def loss_name(preset: str) -> str:
-    """verl's `loss_mode` of a preset: 'stppo_<preset>'."""
-    return LOSS_PREFIX + preset
 
 
 def verl_loss_agg(loss_agg_mode: str) -> str:
@@ -146,7 +141,7 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """verl's policy-loss function of `preset`, to register as `loss_name(preset.name)`."""
+    """verl's policy-loss function of `preset`, to register as `loss_mode(preset.name)`."""
 
     def loss_fn(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
@@ -156,7 +151,7 @@ def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str
         kwargs = verl_call_kwargs(preset, loss_agg_mode, config, mask)
         if rollout_is_weights is not None:
             if "rollout_is_weights" not in POLICY_LOSS_KEYWORDS:
-                raise ValueError(f"{loss_name(preset.name)}: verl passed rollout_is_weights "
+                raise ValueError(f"{loss_mode(preset.name)}: verl passed rollout_is_weights "
                                  "(algorithm.rollout_correction) but this stppo's policy_loss "
                                  "takes none; disable algorithm.rollout_correction.rollout_is")
             kwargs["rollout_is_weights"] = rollout_is_weights
@@ -169,8 +164,8 @@ def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str
                                                             kwargs["dual_clip"])
         return loss, metrics_to_floats(metrics)
 
-    loss_fn.__name__ = loss_fn.__qualname__ = loss_name(preset.name)
-    loss_fn.__doc__ = (f"verl policy loss '{loss_name(preset.name)}': stppo preset "
+    loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(preset.name)
+    loss_fn.__doc__ = (f"verl policy loss '{loss_mode(preset.name)}': stppo preset "
                        f"{preset.name!r} (stppo.integrations.verl.losses).")
     loss_fn.stppo_preset = preset.name  # type: ignore[attr-defined]
     return loss_fn

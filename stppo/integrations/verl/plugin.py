@@ -24,11 +24,12 @@ def register() -> tuple[str, ...]:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
     from stppo.algos import PRESETS
-    from stppo.integrations.verl.losses import loss_name, make_verl_loss
+    from stppo.integrations.verl import loss_mode
+    from stppo.integrations.verl.losses import make_verl_loss
 
     names = []
     for preset in PRESETS:
-        name = loss_name(preset)
+        name = loss_mode(preset)
         held = POLICY_LOSS_REGISTRY.get(name)
         if held is not None and getattr(held, "stppo_preset", None) != preset:
             raise ValueError(f"verl's policy loss {name!r} is already registered by "
