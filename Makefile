@@ -40,5 +40,7 @@ demo: setup
 	$(BIN)/python run.py
 	@$(BIN)/python -m stppo.where
 
-test: setup
+# stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl.
+test: setup verl-env
 	$(BIN)/python -m pytest
+	$(VERL_BIN)/python -m pytest tests/verl

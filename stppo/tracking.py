@@ -14,6 +14,9 @@ PG_LOSS_NORM = "actor/pg_loss_norm"
 PG_CLIPFRAC = "actor/pg_clipfrac"
 PG_CLIPFRAC_HIGH = "actor/pg_clipfrac_high"
 PG_CLIPFRAC_LOW = "actor/pg_clipfrac_low"
+# verl's name (its losses and stppo's verl plugin): share of agent tokens where the dual clip
+# binds (A < 0, ρ > c) — not the lower trust-region clip, which is PG_CLIPFRAC_LOW.
+PG_CLIPFRAC_LOWER = "actor/pg_clipfrac_lower"
 PPO_KL = "actor/ppo_kl"
 KL_REF = "actor/kl_ref"
 ENTROPY = "actor/entropy"

@@ -14,6 +14,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+VERL_TESTS = ROOT / "tests" / "verl"
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/verl run in .venv-verl only, and only when named (`make test` runs
+    `.venv-verl/bin/python -m pytest tests/verl`): a plain `pytest` in stppo's .venv skips them."""
+    if collection_path == VERL_TESTS:
+        named = (Path(a.split("::")[0]).resolve() for a in config.args)
+        if not any(p == VERL_TESTS or VERL_TESTS in p.parents for p in named):
+            return True
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

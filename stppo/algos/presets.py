@@ -18,16 +18,22 @@ this suite's choice, the paper's values are not public), estimator 'token', gran
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
 from stppo.algos.clip_bias import CORRECTIONS, DEFAULT_TAU, Correction
+from stppo.algos.loss import policy_loss
 from stppo.algos.ratios import RATIO_LEVELS
 from stppo.registry import Registry
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
+# The keyword-only arguments of `policy_loss`: what `Preset.loss_kwargs` may fix or override.
+POLICY_LOSS_KEYWORDS = frozenset(
+    name for name, p in inspect.signature(policy_loss).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,30 @@ class Preset:
         if self.tau is None:
             object.__setattr__(self, "tau", DEFAULT_TAU[self.correction])
 
-    def correction_spec(self) -> Optional[Correction]:
-        """The `correction` argument of `policy_loss` (None for 'none')."""
-        return None if self.correction == "none" else Correction(self.correction, self.tau)
+    def correction_spec(self, tau: Optional[float] = None, estimator: str = "token",
+                        granularity: str = "batch") -> Optional[Correction]:
+        """The `correction` argument of `policy_loss` (None for 'none'); τ None → the preset's.
+        Invalid knobs raise `Correction`'s one-line ValueError."""
+        if self.correction == "none":
+            return None
+        return Correction(self.correction, self.tau if tau is None else tau, estimator,
+                          granularity)
+
+    def loss_kwargs(self, **overrides: Any) -> dict[str, Any]:
+        """Every `policy_loss` keyword this preset fixes (ratio_level, loss_agg, correction),
+        updated with `overrides` — any keyword of `policy_loss` (clip_low, clip_high, dual_clip,
+        a `correction_spec(...)` with other knobs, ...). An unknown name raises ValueError listing
+        the valid ones. Callers outside the trainer (the verl plugin) build their call from this,
+        so a new preset needs no change there."""
+        allowed = POLICY_LOSS_KEYWORDS
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ValueError(f"preset {self.name!r}: {', '.join(unknown)} not keyword(s) of "
+                             f"policy_loss; allowed: {', '.join(sorted(allowed))}")
+        out = {"ratio_level": self.ratio_level, "loss_agg": self.loss_agg,
+               "correction": self.correction_spec()}
+        out.update(overrides)
+        return out
 
 
 PRESETS: Registry[Preset] = Registry("algo preset")

@@ -142,3 +142,23 @@ class TurnDot(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (g_seg,) = ctx.saved_tensors  # (N, K) s ρ^k C^k / |y^k|
         return ctx.segs.gather(g_seg * grad), None, None, None, None
+
+
+def turn_ids_from_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Turn ids of an engine that marks turns only by gaps in the mask (verl's `response_mask`):
+
+        k_{i,t} = Σ_{t' ≤ t} 1[m_{i,t'} = 1 ∧ (t' = 0 ∨ m_{i,t'−1} = 0)] − 1   where m_{i,t} = 1,
+        k_{i,t} = −1                                                          elsewhere,
+
+    i.e. the k-th contiguous run of 1s of a row is turn k (k = 0, 1, …). verl's multi-turn agent
+    loop puts ≥ 1 masked token (tool output, chat-template tokens) between two generations, so
+    each run is one assistant turn (docs/design.md, "verl backend: losses"). `loss_mask` (N, T)
+    bool or 0/1 → (N, T) int64; vectorised (one cumsum), no loop over rows.
+    """
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must have shape (N, T), got {tuple(loss_mask.shape)}")
+    m = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0  # (N, T)
+    starts = m.clone()
+    starts[:, 1:] &= ~m[:, :-1]  # (N, T) first token of each run
+    runs = starts.cumsum(dim=1)  # (N, T) int64: runs started so far
+    return torch.where(m, runs - 1, -1)

@@ -52,7 +52,8 @@ def surrogate_parts(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: flo
     clipped_high = pos & (ratio > 1.0 + clip_high)  # (N, T)
     clipped_low = neg & (ratio < 1.0 - clip_low)  # (N, T)
     fixed = clipped_high | clipped_low
-    bound = torch.where(clipped_high, 1.0 + clip_high, 1.0 - clip_low)  # (N, T) β
+    hi = torch.full((), 1.0 + clip_high, dtype=ratio.dtype, device=ratio.device)  # not float32
+    bound = torch.where(clipped_high, hi, 1.0 - clip_low)  # (N, T) β in ρ's dtype
     if dual_clip is not None:
         dual = neg & (ratio > dual_clip)  # (N, T); never κ_low since 1 − ε_low < 1 < c
         bound = torch.where(dual, float(dual_clip), bound)

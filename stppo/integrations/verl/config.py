@@ -1,0 +1,58 @@
+"""`StppoPolicyLossConfig`: verl's `PolicyLossConfig` plus stppo's correction knobs.
+
+verl's `PolicyLossConfig` is a closed dataclass (`+…policy_loss.tau=…` fails at instantiation).
+Name this subclass instead, with the knobs as new keys (PL = actor_rollout_ref.actor.policy_loss):
+
+    PL._target_=stppo.integrations.verl.config.StppoPolicyLossConfig
+    PL.loss_mode=stppo_st_ppo  +PL.tau=0.5  +PL.granularity=sequence
+
+Only what verl has no field for lives here: clip ranges stay verl's `actor.clip_ratio_low/high`,
+the dual clip its `actor.clip_ratio_c`, the aggregation its `actor.loss_agg_mode`. Importing this
+module registers the losses (`plugin`), so the `_target_` alone suffices where the entry point is
+disabled. Invalid knobs fail when verl instantiates the actor config, with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from verl.workers.config import PolicyLossConfig
+
+from stppo.integrations.verl import plugin  # noqa: F401 — first: registers, or warns and raises
+from stppo.algos import PRESETS  # noqa: E402
+from stppo.integrations.verl import LOSS_PREFIX, POLICY_LOSS_TARGET  # noqa: E402
+from stppo.integrations.verl.losses import GRAD_ESTIMATOR_ERROR  # noqa: E402
+
+TARGET = POLICY_LOSS_TARGET  # this class's dotted name (checked in tests/verl)
+
+
+@dataclass
+class StppoPolicyLossConfig(PolicyLossConfig):
+    """verl's policy-loss config with the correction knobs of the stppo_* losses.
+
+    tau: τ of the preset's correction (None: the preset's, `stppo.algos.DEFAULT_TAU`).
+    estimator: 'token' only — 'grad' needs the policy parameters, which verl's loss never sees.
+    granularity: 'batch' (one λ per micro-batch under verl) or 'sequence' (λ_i per trajectory).
+    """
+
+    tau: Optional[float] = None
+    estimator: str = "token"
+    granularity: str = "batch"
+
+    def __post_init__(self) -> None:
+        if self.estimator == "grad":
+            raise ValueError(f"actor.policy_loss.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
+        if not self.loss_mode.startswith(LOSS_PREFIX):
+            if (self.tau, self.estimator, self.granularity) != (None, "token", "batch"):
+                raise ValueError(f"actor.policy_loss.tau/estimator/granularity act on the stppo_* "
+                                 f"loss modes only, got loss_mode={self.loss_mode!r}")
+            return
+        name = self.loss_mode[len(LOSS_PREFIX):]
+        if name not in PRESETS:
+            raise ValueError(f"actor.policy_loss.loss_mode={self.loss_mode!r} is not an stppo "
+                             f"loss; allowed: {', '.join(LOSS_PREFIX + p for p in PRESETS)}")
+        try:
+            PRESETS[name].correction_spec(self.tau, self.estimator, self.granularity)
+        except ValueError as exc:
+            raise ValueError(f"actor.policy_loss ({self.loss_mode}): {exc}") from None

@@ -1,0 +1,171 @@
+"""stppo's policy losses with verl's policy-loss signature (docs/design.md, "verl backend: losses").
+
+Torch and `stppo.algos` only — no verl import, so this module is what an engine-agnostic test or
+a user's own verl environment (`pip install --no-deps stppo`) needs. `plugin.py` registers one
+loss per preset in verl's registry; this module builds them.
+
+verl 0.9.1 (`workers/utils/losses.py::ppo_loss`) calls a policy loss per micro-batch as
+
+    fn(old_log_prob=, log_prob=, advantages=, response_mask=, loss_agg_mode=, config=,
+       rollout_is_weights=) -> (loss, metrics)
+
+with `config` the actor config (`clip_ratio_low/high`, `clip_ratio_c`, `policy_loss`,
+`global_batch_info` = dp_size, batch_num_tokens, global_batch_size, loss_scale_factor of the
+mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
+
+- turn ids: the k-th contiguous run of 1s of `response_mask` is turn k (`turn_ids_from_mask`);
+- clip ε_low, ε_high, dual clip c: verl's `clip_ratio_low/high` (`clip_ratio` where None),
+  `clip_ratio_c` (verl's own losses always apply the dual clip; default 3.0);
+- aggregation: verl's `loss_agg_mode` (same names as stppo's `loss_agg`) with the global
+  denominators of `verl_global_denoms`, so the micro-batch losses sum like verl's own;
+- correction knobs τ, estimator, granularity: `config.policy_loss.{tau,estimator,granularity}`
+  when the policy-loss config is `StppoPolicyLossConfig` (`config.py`), else the preset's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from stppo.algos import Preset, policy_loss
+from stppo.algos.aggregation import agg_denoms
+from stppo.algos.presets import POLICY_LOSS_KEYWORDS
+from stppo.algos.ratios import importance_ratio
+from stppo.algos.segments import turn_ids_from_mask
+from stppo.integrations.verl import loss_mode
+from stppo.tracking import PG_CLIPFRAC_LOWER
+
+# verl's loss_agg_mode → stppo's loss_agg. verl's `token-sum` and `seq-mean-token-sum-norm` have
+# no stppo counterpart (the correction's τ is defined on stppo's three forms): rejected.
+VERL_LOSS_AGGS = {m: m for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}
+GRAD_ESTIMATOR_ERROR = (
+    "correction estimator 'grad' needs the policy parameters, which verl does not pass to a "
+    "policy loss; use estimator=token with the verl backend")
+
+
+def verl_loss_agg(loss_agg_mode: str) -> str:
+    """stppo's `loss_agg` for verl's `actor.loss_agg_mode`; one-line ValueError otherwise."""
+    if loss_agg_mode not in VERL_LOSS_AGGS:
+        raise ValueError(f"actor.loss_agg_mode={loss_agg_mode!r} is not supported by stppo's "
+                         f"losses; allowed: {', '.join(VERL_LOSS_AGGS)}")
+    return VERL_LOSS_AGGS[loss_agg_mode]
+
+
+def verl_global_denoms(loss_mask: torch.Tensor, loss_agg: str, dp_size: Any = 1,
+                       batch_num_tokens: Any = None, global_batch_size: Any = None,
+                       **_: Any) -> tuple[Any, Any]:
+    """(D_tok, D_seq) for `policy_loss(global_denoms=...)` from verl's `global_batch_info`, such
+    that stppo's aggregation of a micro-batch equals verl's `core_algos.agg_loss` of it:
+
+        token-mean:  Σ m v / batch_num_tokens · dp_size    ⇒  D_tok = batch_num_tokens / dp_size
+        seq-mean-*:  Σ_i r_i / global_batch_size · dp_size  ⇒  D_seq = global_batch_size / dp_size
+
+    (r_i the row's token mean or sum). verl's FSDP averages gradients over the dp ranks, hence
+    the factor dp_size. `global_batch_size` counts every row of the mini-batch (ppo_mini_batch_size
+    × rollout.n), rows without agent tokens included, whereas stppo's own D_seq counts only rows
+    with ≥ 1 agent token: a mini-batch with e empty rows of B gets (B − e)/B times stppo's loss,
+    as verl's own losses do. A count that verl leaves None falls back, as in `agg_loss`, to this
+    micro-batch's own (agent tokens; rows with ≥ 1 agent token); with dp_size > 1 that raises.
+    """
+    dp = int(dp_size) if dp_size is not None else 1
+    needed = batch_num_tokens if loss_agg == "token-mean" else global_batch_size
+    if needed is None and dp > 1:
+        name = "batch_num_tokens" if loss_agg == "token-mean" else "global_batch_size"
+        raise ValueError(f"verl's global_batch_info has no {name} with dp_size={dp}: stppo's "
+                         f"{loss_agg} loss needs the mini-batch's global count")
+    d_tok, d_seq = agg_denoms(loss_mask)  # this micro-batch's own counts (the fallback)
+    if batch_num_tokens is not None:
+        d_tok = float(batch_num_tokens) / dp
+    if global_batch_size is not None:
+        d_seq = float(global_batch_size) / dp
+    return d_tok, d_seq
+
+
+def dual_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                       dual_clip: float) -> torch.Tensor:
+    """verl's `actor/pg_clipfrac_lower`: the share of agent tokens where the dual clip binds,
+
+        Σ m 1[A < 0 ∧ ρ > c] / Σ m        (0 without agent tokens)
+
+    — verl's 1[max(−Aρ, −A clip(ρ)) > −A c] · 1[A < 0] (`compute_policy_loss_vanilla`), which is
+    A < 0 ∧ ρ > c since c > 1 > 1 − ε_low. `ratio`, `advantages`, `loss_mask` (N, T). Detached 0-d.
+    """
+    with torch.no_grad():
+        hit = loss_mask & (advantages < 0) & (ratio > dual_clip)  # (N, T); nan compares False
+        n = loss_mask.sum().clamp(min=1)
+        return hit.sum().to(ratio.dtype) / n
+
+
+def _knobs(config: Any) -> tuple[Optional[float], str, str]:
+    """(τ, estimator, granularity) from `config.policy_loss` (StppoPolicyLossConfig), or the
+    defaults when verl's plain PolicyLossConfig carries none of them."""
+    pl = getattr(config, "policy_loss", None)
+    return (getattr(pl, "tau", None), getattr(pl, "estimator", "token"),
+            getattr(pl, "granularity", "batch"))
+
+
+def _clip_ranges(config: Any) -> tuple[float, float, float]:
+    """(ε_low, ε_high, c) as verl's `compute_policy_loss_vanilla` reads them."""
+    clip = getattr(config, "clip_ratio", 0.2)
+    low, high = getattr(config, "clip_ratio_low", None), getattr(config, "clip_ratio_high", None)
+    return (float(clip if low is None else low), float(clip if high is None else high),
+            float(getattr(config, "clip_ratio_c", 3.0)))
+
+
+def verl_call_kwargs(preset: Preset, loss_agg_mode: str, config: Any,
+                     loss_mask: torch.Tensor) -> dict[str, Any]:
+    """The keywords of `policy_loss` for one verl call: `preset.loss_kwargs(...)` with verl's
+    aggregation, clip ranges and global denominators and the config's correction knobs."""
+    if config is None:
+        raise ValueError("stppo's verl losses need verl's actor config (config=None)")
+    loss_agg = verl_loss_agg(loss_agg_mode)
+    tau, estimator, granularity = _knobs(config)
+    if estimator == "grad":
+        raise ValueError(GRAD_ESTIMATOR_ERROR)
+    clip_low, clip_high, dual_clip = _clip_ranges(config)
+    info = getattr(config, "global_batch_info", None) or {}
+    return preset.loss_kwargs(
+        loss_agg=loss_agg, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+        correction=preset.correction_spec(tau, estimator, granularity),
+        global_denoms=verl_global_denoms(loss_mask, loss_agg, **dict(info)))
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Detached 0-d tensors → Python floats, as verl's own losses return them (one host sync)."""
+    if not metrics:
+        return {}
+    keys = list(metrics)
+    values = torch.stack([metrics[k].detach().to(torch.float64) for k in keys]).tolist()
+    return dict(zip(keys, values))
+
+
+def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """verl's policy-loss function of `preset`, to register as `loss_mode(preset.name)`."""
+
+    def loss_fn(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                config: Any = None, rollout_is_weights: Optional[torch.Tensor] = None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0  # (N, T)
+        kwargs = verl_call_kwargs(preset, loss_agg_mode, config, mask)
+        if rollout_is_weights is not None:
+            if "rollout_is_weights" not in POLICY_LOSS_KEYWORDS:
+                raise ValueError(f"{loss_mode(preset.name)}: verl passed rollout_is_weights "
+                                 "(algorithm.rollout_correction) but this stppo's policy_loss "
+                                 "takes none; disable algorithm.rollout_correction.rollout_is")
+            kwargs["rollout_is_weights"] = rollout_is_weights
+        turn_ids = turn_ids_from_mask(mask)  # (N, T)
+        loss, metrics = policy_loss(log_prob, old_log_prob, advantages, mask, turn_ids, **kwargs)
+        with torch.no_grad():
+            ratio, _ = importance_ratio(log_prob.detach(), old_log_prob, mask, turn_ids,
+                                        kwargs["ratio_level"])  # (N, T)
+            metrics[PG_CLIPFRAC_LOWER] = dual_clip_fraction(ratio, advantages, mask,
+                                                            kwargs["dual_clip"])
+        return loss, metrics_to_floats(metrics)
+
+    loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(preset.name)
+    loss_fn.__doc__ = (f"verl policy loss '{loss_mode(preset.name)}': stppo preset "
+                       f"{preset.name!r} (stppo.integrations.verl.losses).")
+    loss_fn.stppo_preset = preset.name  # type: ignore[attr-defined]
+    return loss_fn

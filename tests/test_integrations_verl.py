@@ -1,0 +1,161 @@
+"""The engine-free parts of the verl backend's losses (docs/design.md, "verl backend: losses"):
+turn ids from a mask, `Preset.loss_kwargs`, verl's global counts as stppo's denominators, verl's
+dual-clip fraction — and that they need neither verl nor, for the packages, torch. Runs in
+stppo's .venv (no verl); the calls through verl itself are in tests/verl."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stppo.algos import PRESETS, Correction, policy_loss
+from stppo.algos.aggregation import agg_loss
+from stppo.algos.segments import turn_ids_from_mask
+from stppo.integrations.verl.losses import (dual_clip_fraction, verl_global_denoms,
+                                            verl_loss_agg)
+from test_algos_helpers import make_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- turn ids ------------------------------------------------------------------------------------
+def loop_turn_ids(mask: torch.Tensor) -> torch.Tensor:
+    out = torch.full(mask.shape, -1, dtype=torch.long)
+    for i in range(mask.shape[0]):
+        k, prev = -1, False
+        for t in range(mask.shape[1]):
+            cur = bool(mask[i, t])
+            if cur and not prev:
+                k += 1
+            if cur:
+                out[i, t] = k
+            prev = cur
+    return out
+
+
+def test_turn_ids_hand_computed_runs_truncation_and_empty_row():
+    m = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1],   # three turns, the last cut at T
+                      [0, 0, 0, 0, 0, 0, 0, 0],   # no agent token
+                      [0, 1, 1, 1, 1, 1, 1, 1],   # starts after an observation
+                      [1, 0, 1, 0, 1, 0, 1, 0]])  # one-token turns
+    assert torch.equal(turn_ids_from_mask(m.bool()), torch.tensor([
+        [0, 0, -1, 1, -1, -1, 2, 2], [-1] * 8, [-1, 0, 0, 0, 0, 0, 0, 0],
+        [0, -1, 1, -1, 2, -1, 3, -1]]))
+    assert torch.equal(turn_ids_from_mask(m), turn_ids_from_mask(m.bool()))  # 0/1 ints too
+    assert turn_ids_from_mask(m.bool()).dtype == torch.int64
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_turn_ids_equal_a_loop_over_rows(seed):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(7, 40, generator=g) < 0.6
+    assert torch.equal(turn_ids_from_mask(m), loop_turn_ids(m))
+    assert turn_ids_from_mask(m[:0]).shape == (0, 40)
+
+
+def test_turn_ids_reject_a_non_matrix():
+    with pytest.raises(ValueError, match=r"loss_mask must have shape \(N, T\), got \(5,\)"):
+        turn_ids_from_mask(torch.ones(5, dtype=torch.bool))
+
+
+# --- Preset.loss_kwargs --------------------------------------------------------------------------
+def test_loss_kwargs_fix_the_preset_and_take_overrides():
+    for name, p in PRESETS.items():
+        kw = p.loss_kwargs()
+        assert kw["ratio_level"] == p.ratio_level and kw["loss_agg"] == p.loss_agg
+        assert kw["correction"] == p.correction_spec()
+    st = PRESETS["st_ppo"]
+    kw = st.loss_kwargs(loss_agg="token-mean", clip_low=0.1, clip_high=0.3,
+                        correction=st.correction_spec(0.7, granularity="sequence"))
+    assert kw == {"ratio_level": "turn", "loss_agg": "token-mean", "clip_low": 0.1,
+                  "clip_high": 0.3, "correction": Correction("clip_bias_norm", 0.7, "token",
+                                                             "sequence")}
+    assert st.correction_spec() == Correction("clip_bias_norm", 0.5)  # τ None → the preset's
+    assert PRESETS["ppo"].correction_spec(0.7) is None
+
+
+def test_loss_kwargs_reject_names_policy_loss_does_not_take():
+    with pytest.raises(ValueError, match=r"preset 'ppo': clip not keyword\(s\) of policy_loss; "
+                                         r"allowed: clip_high, clip_low, correction"):
+        PRESETS["ppo"].loss_kwargs(clip=0.2)
+
+
+def test_loss_kwargs_call_equals_the_explicit_call():
+    x = make_inputs(4, 20, seed=5, max_turns=3)
+    args = (x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"], x["turn_ids"])
+    a, _ = policy_loss(*args, **PRESETS["so_ppo"].loss_kwargs(clip_low=0.2, clip_high=0.2))
+    b, _ = policy_loss(*args, ratio_level="turn", clip_low=0.2, clip_high=0.2,
+                       loss_agg="seq-mean-token-mean",
+                       correction={"kind": "clip_triggered", "tau": 2.0})
+    assert float(a) == float(b)
+
+
+# --- verl's counts, modes and metrics ------------------------------------------------------------
+def verl_agg_loss(v, m, mode, dp, n_tok, n_rows):
+    """verl 0.9.1 core_algos.agg_loss, written out (its +1e-8 aside)."""
+    if mode == "token-mean":
+        return (v * m).sum() / n_tok * dp
+    rows = (v * m).sum(1)
+    if mode == "seq-mean-token-mean":
+        rows = rows / m.sum(1).clamp(min=1)
+    return rows.sum() / n_rows * dp
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("dp", [1, 4])
+def test_global_denoms_reproduce_verl_agg_loss(mode, dp):
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    m = torch.rand(5, 9, generator=g) < 0.5
+    m[2] = False  # an empty row
+    n_tok, n_rows = 37, 12  # the mini-batch's, over every rank and micro-batch
+    d = verl_global_denoms(m, mode, dp_size=dp, batch_num_tokens=n_tok, global_batch_size=n_rows,
+                           loss_scale_factor=None)
+    assert d == (n_tok / dp, n_rows / dp)
+    got = agg_loss(v, m, mode, global_denoms=d)
+    want = verl_agg_loss(v, m.double(), mode, dp, n_tok, n_rows)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_global_denoms_fall_back_to_the_micro_batch_like_verl():
+    m = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
+    d_tok, d_seq = verl_global_denoms(m, "token-mean")  # verl: local tokens, local rows with ≥1
+    assert (int(d_tok), int(d_seq)) == (3, 2)
+    with pytest.raises(ValueError, match="no batch_num_tokens with dp_size=2"):
+        verl_global_denoms(m, "token-mean", dp_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match="no global_batch_size with dp_size=2"):
+        verl_global_denoms(m, "seq-mean-token-sum", dp_size=2, batch_num_tokens=8)
+
+
+def test_verl_loss_agg_modes():
+    assert verl_loss_agg("seq-mean-token-mean") == "seq-mean-token-mean"
+    for bad in ("token-sum", "seq-mean-token-sum-norm"):
+        with pytest.raises(ValueError, match=f"actor.loss_agg_mode='{bad}' is not supported"):
+            verl_loss_agg(bad)
+
+
+def test_dual_clip_fraction_hand_computed():
+    ratio = torch.tensor([[3.5, 3.5, 2.0, 9.0], [4.0, 1.0, 1.0, 1.0]])
+    adv = torch.tensor([[-1.0, 1.0, -1.0, float("nan")], [-2.0, -1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    # agent tokens: 5; A < 0 and ρ > 3 at (0, 0) and (1, 0); (0, 3) is off the mask
+    assert float(dual_clip_fraction(ratio, adv, mask, 3.0)) == pytest.approx(2 / 5)
+    assert float(dual_clip_fraction(ratio, adv, mask & False, 3.0)) == 0.0
+
+
+def test_packages_import_neither_torch_nor_verl():
+    code = ("import sys, stppo.integrations, stppo.integrations.verl\n"
+            "print(sorted(m for m in ('torch', 'verl') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    code = "import sys, stppo.integrations.verl.losses\nprint('verl' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"  # the losses are torch + stppo.algos only
