@@ -1,0 +1,1 @@
+"""stppo inside verl: policy losses, search tool, data, reward, launcher and run monitor."""
