@@ -275,3 +275,40 @@ def test_the_dry_run_of_the_readme_study_prints_one_command_per_job(tmp_path):
     assert all(len(c) > 60 and all("=" in o and " " not in o for o in c[1:]) for c in commands)  # one per line
     assert not store.exists()  # nothing started, no run created
     assert math.isnan(L.run(to_config(compose(["backend=verl", "+experiment=paper_search", "backend.dry_run=true"]))))
+
+
+def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stppo.config import CONF_DIR, register_configs
+    from sweeps import register_hydra_plugins
+
+    register_configs()
+    register_hydra_plugins()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR)):
+        c = hydra_compose("config", overrides=["+sweep=clip_range", "backend=verl", "+experiment=paper_search",
+                                               "hydra/launcher=submitit_slurm", "algo=s_ppo",
+                                               "algo.correction.tau=1.5"], return_hydra_config=True)
+    assert c.hydra.sweeper._target_ == "sweeps.hydra_sweeper.StppoOptunaSweeper"
+    assert c.hydra.launcher._target_.endswith("SlurmLauncher")
+    from omegaconf import open_dict
+
+    with open_dict(c):
+        del c["hydra"]
+    cfg = to_config(c)
+    assert cfg.backend.name == "verl" and cfg.trainer.stop_on_collapse  # the sweep prunes collapsed verl runs
+    argv = L.make_plan(cfg, run_id="x").argv
+    assert "+actor_rollout_ref.actor.policy_loss.tau=1.5" in argv  # the trial's τ reaches verl's loss
+
+
+@pytest.mark.parametrize("override, field", [
+    ("backend.name=trl", "backend.name"), ("backend.rollout_tp=3", "backend.rollout_tp"),
+    ("backend.n_gpus_per_node=0", "backend.nnodes and backend.n_gpus_per_node"),
+    ("backend.gpu_memory_utilization=1.5", "backend.gpu_memory_utilization"),
+])
+def test_invalid_backend_settings_name_the_field(override, field):
+    with pytest.raises(Exception, match=field.replace(".", r"\.")):
+        to_config(compose(["backend=verl", override]))
