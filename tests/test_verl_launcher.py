@@ -312,3 +312,9 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
 def test_invalid_backend_settings_name_the_field(override, field):
     with pytest.raises(Exception, match=field.replace(".", r"\.")):
         to_config(compose(["backend=verl", override]))
+
+
+def test_the_metric_mapping_in_docs_is_the_codes_table():
+    from stppo.integrations.verl.metrics import table_markdown
+
+    assert table_markdown() in (ROOT / "docs" / "design.md").read_text()

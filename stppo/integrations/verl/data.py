@@ -1,9 +1,11 @@
 """stppo tasks → verl's RL parquet, plus the search tool's config (verl-free).
 
-    python -m stppo.integrations.verl.data OUT_DIR [stppo overrides...]
-    python -m stppo.integrations.verl.data /shared/verl_data +experiment=paper_search task.options.data_dir=DIR
+    python -m stppo.integrations.verl.data [stppo overrides...]
+    python -m stppo.integrations.verl.data +experiment=paper_search task.options.data_dir=DIR \
+        task.retriever.url=http://HOST:8000 backend.data_dir=/shared/verl_data
 
-Writes into OUT_DIR: `train.parquet` (the task's `train` split), `val.parquet` (`val`),
+Writes into `<backend.data_dir or the stppo cache>/<content key of the task settings>/` (the folder
+the launcher then finds for the same settings): `train.parquet` (the task's `train` split), `val.parquet` (`val`),
 `tool_config.yaml` (verl's `multi_turn.tool_config_path`: the stppo search tool with the task's
 retriever) and, for bm25, `corpus.jsonl` (the tool's corpus). A row, in verl's RLHFDataset form:
 
@@ -16,8 +18,9 @@ retriever) and, for bm25, `corpus.jsonl` (the tool's corpus). A row, in verl's R
     extra_info    {split, index, id, question, source,
                    tools_kwargs: {"search": {"create_kwargs": {"question_id": id}}}}
 
-The launcher converts each job's task on its own (cached by content in the stppo cache, or in
-backend.data_dir); this command does it ahead, e.g. on a cluster's login node.
+The launcher converts each job's task on its own when that folder is missing; this command does it
+ahead, e.g. on a cluster's login node (for several nodes, backend.data_dir on a shared filesystem:
+the tool's workers read the corpus file and the tool config).
 """
 
 from __future__ import annotations
@@ -163,16 +166,15 @@ def _write(cfg: Config, task: Task, tmp: Path, *, final_dir: Path) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m stppo.integrations.verl.data OUT_DIR [overrides...]`."""
+    """`python -m stppo.integrations.verl.data [overrides...]`: convert, print the folder."""
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0].startswith("-") or "=" in args[0]:
-        print("usage: python -m stppo.integrations.verl.data OUT_DIR [stppo overrides...]", file=sys.stderr)
+    if any(a.startswith("-") for a in args):
+        print("usage: python -m stppo.integrations.verl.data [stppo overrides...]", file=sys.stderr)
         return 2
     from stppo.config import compose, to_config
 
     try:
-        cfg = to_config(compose(args[1:]))
-        out = convert(cfg, Path(args[0]))
+        out = convert(to_config(compose(args)))
     except (ValueError, FileNotFoundError) as e:
         print(f"stppo.integrations.verl.data: error: {e}", file=sys.stderr)
         return 1
