@@ -38,8 +38,8 @@ from stppo.cache import content_hash
 from stppo.config import Config, to_config
 from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
-from stppo.integrations.verl.overrides import (JobFiles, env_overrides, format_command, model_source,
-                                               verl_overrides)
+from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
+                                               model_source, verl_overrides)
 from stppo.tracking_io import call
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ def launch(cfg: Config, check: Callable[[Config], str] | None = None) -> float:
                            run_name=cfg.tracking.run_name or job_dir(cfg).name,
                            artifacts={"config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))})
     try:
+        check_translatable(cfg)  # settings first: one line before the slow checks
         python = (check or preflight)(cfg)
         D.convert(cfg)
         plan = make_plan(cfg, run_id=run_id, uri=tracker.uri, python=python)

@@ -99,6 +99,9 @@ def check_translatable(cfg: Config) -> None:
     if t.rollout.max_total_tokens <= cfg.backend.max_prompt_length:
         raise ValueError(f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens} must exceed "
                          f"backend.max_prompt_length={cfg.backend.max_prompt_length} (the rest is the response)")
+    if not cfg.tracking.enabled:
+        raise ValueError("tracking.enabled=false: backend=verl follows verl through its MLflow run; "
+                         "enable tracking (tracking.uri=… for another store)")
     if t.warmstart.enabled:
         raise ValueError("trainer.warmstart.enabled=true: verl has no SFT warm start; set "
                          "trainer.warmstart.enabled=false (pretrained models follow the prompt)")
