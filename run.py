@@ -56,7 +56,10 @@ def main(cfg: DictConfig) -> float:
     try:
         to_config(cfg)  # a bad setting fails here, before the heavy imports
         validated = True
-        from stppo.train.job import Terminated, run
+        if cfg.backend.name == "verl":  # verl trains in a subprocess (stppo.integrations.verl)
+            from stppo.integrations.verl.launcher import Terminated, run
+        else:
+            from stppo.train.job import Terminated, run
 
         if _main_thread():
             signal.signal(signal.SIGHUP, _raise_terminated)
@@ -122,10 +125,11 @@ def is_user_error(e: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from stppo.integrations.verl.launcher import VerlFailed
     from sweeps.hydra_sweeper import StudyFailed
 
     return isinstance(e, (ValueError, FileNotFoundError, ConnectionError, JobFailed, StudyFailed,
-                          HydraException, OmegaConfBaseException))
+                          VerlFailed, HydraException, OmegaConfBaseException))
 
 
 def one_line(e: BaseException) -> str:

@@ -233,6 +233,47 @@ class TrackingConfig:
     tags: dict[str, str] = field(default_factory=dict)  # extra run tags (sweeps: study, trial)
 
 
+BACKENDS = ("own", "verl")
+ROLLOUT_ENGINES = ("vllm", "sglang")
+
+
+@dataclass
+class BackendConfig:
+    """Which engine trains: stppo's own trainer (`own`) or verl in a subprocess (`verl`,
+    `stppo.integrations.verl`). The other fields are read by the verl backend only."""
+
+    name: str = "own"  # own | verl
+    python: str = ".venv-verl/bin/python"  # interpreter of the verl environment
+    entry: str = "verl.trainer.main_ppo"  # module run as `python -m ENTRY OVERRIDES...`
+    dry_run: bool = False  # print the verl command and exit 0
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    rollout_engine: str = "vllm"  # vllm | sglang
+    rollout_tp: int = 1  # tensor parallel size of the rollout engine
+    gpu_memory_utilization: float = 0.5  # the rollout engine's share of GPU memory
+    micro_batch_size_per_gpu: int = 8  # forward/backward micro-batch (trajectories per GPU)
+    max_prompt_length: int = 512  # tokens; the response gets trainer.rollout.max_total_tokens minus this
+    data_dir: Optional[str] = None  # converted parquet files; None: the stppo cache
+    poll_s: float = 10.0  # how often the run's metrics are read while verl trains
+    stop_grace_s: float = 60.0  # SIGTERM → SIGKILL delay when verl is stopped
+    overrides: list[str] = field(default_factory=list)  # extra verl overrides, appended last
+
+    def __post_init__(self) -> None:
+        _one_of("backend.name", self.name, BACKENDS)
+        _one_of("backend.rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
+        _check(self.nnodes >= 1 and self.n_gpus_per_node >= 1,
+               f"backend.nnodes and backend.n_gpus_per_node must be >= 1, got {self.nnodes}, {self.n_gpus_per_node}")
+        _check(self.rollout_tp >= 1 and self.n_gpus_per_node % self.rollout_tp == 0,
+               f"backend.rollout_tp={self.rollout_tp} must divide backend.n_gpus_per_node={self.n_gpus_per_node}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.micro_batch_size_per_gpu >= 1, "backend.micro_batch_size_per_gpu must be >= 1")
+        _check(self.max_prompt_length >= 16, f"backend.max_prompt_length must be >= 16, got {self.max_prompt_length}")
+        _check(self.poll_s > 0 and self.stop_grace_s >= 0, "backend.poll_s must be > 0 and backend.stop_grace_s >= 0")
+        _check(all(isinstance(o, str) and "=" in o for o in self.overrides),
+               f"backend.overrides must be verl overrides KEY=VALUE, got {list(self.overrides)}")
+
+
 @dataclass
 class Config:
     algo: AlgoConfig = MISSING
@@ -240,6 +281,7 @@ class Config:
     task: TaskConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
     seed: int = 0
 
 

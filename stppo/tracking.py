@@ -83,6 +83,7 @@ TAG_SWEEP = "sweep"
 TAG_GIT_COMMIT = "git_commit"
 TAG_TRIAL = "trial"
 TAG_STUDY = "study"
+TAG_BACKEND = "backend"  # 'verl' on runs trained by verl (stppo.integrations.verl); absent: own trainer
 RUN_TAGS: tuple[str, ...] = (TAG_ALGO, TAG_MODEL, TAG_TASK, TAG_SEED, TAG_SWEEP, TAG_GIT_COMMIT)
 
 

@@ -1,0 +1,296 @@
+"""`run(cfg)` for `backend=verl`: one Hydra job = one verl training run in a subprocess.
+
+    open the MLflow run (stppo's tags + backend=verl, the flattened config as params)
+    → checks before Ray starts (verl environment, GPUs, model, retrieval server) → convert the data
+    → `backend.python -m verl.trainer.main_ppo OVERRIDES…` with MLFLOW_TRACKING_URI and
+      MLFLOW_RUN_ID (also in Ray's runtime_env), so verl's own MLflow logger writes into the run
+    → every backend.poll_s: the run monitor copies verl's metrics under stppo's names and applies
+      the collapse rule; with trainer.stop_on_collapse it stops verl (its process group)
+    → close the run: FINISHED (verl exited 0, or was stopped on collapse), FAILED with the end of
+      verl's stderr, KILLED on SIGTERM/SIGHUP/Ctrl-C (verl is stopped first); returns the
+      objective (mean late val/success_rate, as the own trainer).
+
+Runs in stppo's environment and never imports verl: verl is only a subprocess. A failed job
+raises, so run.py's multirun machinery records it like a failed own job.
+`backend.dry_run=true` prints the command (one override per line) and starts nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from stppo import tracking as K
+from stppo.cache import content_hash
+from stppo.config import Config, to_config
+from stppo.integrations.verl import data as D
+from stppo.integrations.verl.monitor import RunMonitor
+from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
+                                               model_source, verl_overrides)
+from stppo.tracking_io import call
+
+log = logging.getLogger(__name__)
+STDERR_TAIL = 20  # lines of verl's stderr kept for the run's error note
+PROBE = ("import json, sys, torch, verl; print(json.dumps({'verl': verl.__version__, "
+         "'gpus': torch.cuda.device_count() if torch.cuda.is_available() else 0}))")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class Terminated(Exception):
+    """SIGTERM / SIGHUP: the job was stopped from outside; verl is stopped, the run is KILLED."""
+
+
+class VerlFailed(RuntimeError):
+    """verl exited with an error; the message ends with the last line of its stderr."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    argv: list[str]  # python -m ENTRY overrides…
+    env: dict[str, str]  # MLFLOW_* for the subprocess (and Ray's workers)
+    data: D.ConvertedData
+
+
+def run(cfg_in: DictConfig | Config | dict) -> float:
+    """The Hydra job of `backend=verl` (see the module docstring)."""
+    cfg = cfg_in if isinstance(cfg_in, Config) else to_config(cfg_in)
+    if cfg.backend.dry_run:
+        plan = make_plan(cfg, run_id="NEW_RUN_ID")
+        print(format_command(plan.argv, plan.env), flush=True)
+        return float("nan")
+    return launch(cfg)
+
+
+def launch(cfg: Config, check: Callable[[Config], str] | None = None) -> float:
+    """Open the run, check (`preflight`, or `check` → the interpreter), convert, supervise."""
+    from stppo.train.job import run_tags
+
+    tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
+                        enabled=True)
+    run_id = tracker.start(tags={**run_tags(cfg), K.TAG_BACKEND: "verl"}, params=K.flatten(asdict(cfg)),
+                           run_name=cfg.tracking.run_name or job_dir(cfg).name,
+                           artifacts={"config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))})
+    try:
+        check_translatable(cfg)  # settings first: one line before the slow checks
+        python = (check or preflight)(cfg)
+        D.convert(cfg)
+        plan = make_plan(cfg, run_id=run_id, uri=tracker.uri, python=python)
+        call(tracker.client.log_text, run_id, format_command(plan.argv, plan.env) + "\n", "verl_command.sh")
+    except BaseException as e:
+        tracker.finish("FAILED", error=f"{type(e).__name__}: {e}")
+        raise
+    return supervise(cfg, plan, tracker)
+
+
+def job_dir(cfg: Config) -> Path:
+    """The job's folder (checkpoints): same settings ⇒ same folder, as the own trainer's."""
+    d = asdict(cfg)
+    for k in ("resume", "progress"):
+        d["trainer"].pop(k)
+    for k in ("dry_run", "poll_s", "stop_grace_s", "python"):
+        d["backend"].pop(k)
+    d.pop("tracking")
+    name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-verl-{content_hash(d, length=8)}"
+    return (Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name).resolve()
+
+
+def absolute_uri(uri: str) -> str:
+    """A sqlite URI with an absolute path (Ray's workers do not share the job's working dir)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str | None = None) -> Plan:
+    data = D.planned(cfg)
+    files = JobFiles(str(data.train), str(data.val), str(data.tool_config), str(job_dir(cfg) / "checkpoints"))
+    env = {"MLFLOW_TRACKING_URI": absolute_uri(K.resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
+    argv = [python or cfg.backend.python, "-m", cfg.backend.entry, *verl_overrides(cfg, files), *env_overrides(env)]
+    return Plan(argv, env, data)
+
+
+# -- checks before anything starts ---------------------------------------------------------------
+def preflight(cfg: Config) -> str:
+    """Check the verl environment's interpreter, the model, the retrieval server, then (one
+    `python -c` that imports verl) verl itself and the GPUs of this node; returns the interpreter's
+    path. Raises ValueError / ConnectionError (one line) on the first problem."""
+    b = cfg.backend
+    python = shutil.which(b.python) if os.sep not in b.python else b.python
+    if not python or not os.access(python, os.X_OK):
+        raise ValueError(f"backend.python={b.python}: no such interpreter; build the verl environment with "
+                         "`make verl-env` or point backend.python at your verl environment's python")
+    check_model(model_source(cfg))
+    if cfg.task.retriever.kind == "http":
+        check_server(cfg.task.retriever.url, timeout_s=min(10.0, cfg.task.retriever.timeout_s))
+    env = probe(python)  # the slow one last: imports verl
+    if b.n_gpus_per_node > env["gpus"]:
+        raise ValueError(f"backend asks for {b.nnodes} node(s) x {b.n_gpus_per_node} GPUs but this node has "
+                         f"{env['gpus']} visible GPU(s) (torch in {python}); lower backend.n_gpus_per_node or "
+                         "run on a GPU node")
+    return python
+
+
+def probe(python: str) -> dict[str, Any]:
+    """{'verl': version, 'gpus': n} from one `python -c` in the verl environment."""
+    try:
+        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ValueError(f"backend.python={python} cannot be run ({e})") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"backend.python={python} cannot import verl ({last}); build the environment with "
+                         "`make verl-env` or point backend.python at a python with verl installed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_model(path: str) -> None:
+    """A local model folder must hold a readable config.json; a hub id ('org/name') must be in
+    the local Hugging Face cache when HF_HUB_OFFLINE=1 (otherwise verl downloads it)."""
+    local = Path(path).expanduser()
+    if path.startswith(("/", ".", "~")) or local.exists():
+        cfg = local / "config.json"
+        if not (local.is_dir() and os.access(cfg, os.R_OK)):
+            raise ValueError(f"model path {path}: no readable config.json there; set model.path to a Hugging "
+                             "Face model folder or a hub id such as Qwen/Qwen2.5-1.5B-Instruct")
+        return
+    if not HUB_ID.match(path):
+        raise ValueError(f"model path {path!r} is neither a folder nor a hub id 'org/name'")
+    if os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "True"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ValueError(f"model {path} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
+                             "download it first or set model.path to a local folder")
+
+
+def check_server(url: str, timeout_s: float) -> None:
+    import requests
+
+    base = url.rstrip("/").removesuffix("/retrieve")
+    try:
+        requests.get(base + "/health", timeout=timeout_s)
+    except requests.RequestException as e:
+        raise ConnectionError(f"retrieval server {base} is not answering ({type(e).__name__}); start it "
+                              "(python -m stppo.envs.retrieval_server …) or set task.retriever.url") from None
+
+
+# -- the subprocess --------------------------------------------------------------------------------
+def supervise(cfg: Config, plan: Plan, tracker: K.Tracker) -> float:
+    """Run verl, follow the run, close it (see the module docstring); returns the objective."""
+    monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=cfg.trainer.total_steps,
+                         collapse=cfg.trainer.collapse, stop_on_collapse=cfg.trainer.stop_on_collapse)
+    env = {**os.environ, **plan.env, "PYTHONPATH": _pythonpath()}
+    old = _install_handlers()
+    proc, tail = None, collections.deque(maxlen=STDERR_TAIL)
+    try:
+        proc = subprocess.Popen(plan.argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                                start_new_session=True)  # its own process group: stopped as a whole
+        reader = threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True)
+        reader.start()
+        stopped = _follow(proc, monitor, cfg.backend)
+        reader.join(timeout=10)
+        _poll(monitor)  # what verl logged last
+        status, error = outcome(proc.returncode, stopped, list(tail))
+    except BaseException as e:
+        if proc is not None:
+            stop(proc, cfg.backend.stop_grace_s)
+        killed = isinstance(e, (Terminated, KeyboardInterrupt))
+        tracker.finish("KILLED" if killed else "FAILED", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        _restore_handlers(old)
+    tracker.finish(status, error=error)
+    if status == "FINISHED":
+        return monitor.objective()
+    raise VerlFailed(error.splitlines()[0])  # the whole note is on the run
+
+
+def _follow(proc: subprocess.Popen, monitor: RunMonitor, b) -> bool:
+    """Poll the run until verl exits; True when it was stopped on collapse."""
+    while True:
+        try:
+            proc.wait(timeout=b.poll_s)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        _poll(monitor)
+        if monitor.should_stop:
+            log.warning("stppo: stopping verl: collapse at step %s (%s)", monitor.detector.collapse_step,
+                        monitor.detector.reason)
+            stop(proc, b.stop_grace_s)
+            return True
+
+
+def _poll(monitor: RunMonitor) -> None:
+    try:
+        monitor.poll()
+    except Exception as e:  # noqa: BLE001 - a tracking hiccup must not kill the training
+        log.warning("stppo: could not read the run's metrics (%s); trying again", e)
+
+
+def outcome(returncode: int, stopped: bool, tail: list[str]) -> tuple[str, str | None]:
+    """(MLflow status, error note) of verl's exit."""
+    if stopped or returncode == 0:
+        return "FINISHED", None
+    lines = [ln.rstrip() for ln in tail if ln.strip()]
+    end = "\n".join(lines) or "(no stderr)"
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return "KILLED", f"verl was terminated by {name}\n{end}"
+    return "FAILED", f"verl exited with status {returncode}: {lines[-1] if lines else '(no stderr)'}\n{end}"
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to verl's process group, SIGKILL after `grace_s`."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tee(stream, tail: collections.deque) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        tail.append(line)
+
+
+def _pythonpath() -> str:
+    """This stppo's source first, so verl's side runs the same code as the launcher."""
+    root = str(Path(__file__).resolve().parents[3])
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _raise(signum, frame):
+    raise Terminated(f"received {signal.Signals(signum).name}")
+
+
+def _install_handlers() -> dict | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _restore_handlers(old: dict | None) -> None:
+    for s, h in (old or {}).items():
+        signal.signal(s, h)

@@ -1,0 +1,257 @@
+"""stppo's composed config → the overrides of `python -m verl.trainer.main_ppo` (verl 0.9.1's
+`ppo_trainer` config). Pure: no verl import, nothing started; `launcher.py` runs the command.
+
+What maps to what (one line per stppo setting; anything not listed has no verl counterpart and
+is rejected by `check_translatable` when it would change the run):
+
+  algo.name (preset)         policy_loss.loss_mode=stppo_<preset> with the plugin's config class
+                             (`_target_`, fields tau / estimator / granularity); the preset's
+                             advantage → algorithm.adv_estimator, its critic → critic.enable
+  algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
+  algo.loss_agg              actor.loss_agg_mode
+  algo.kl (coef, estimator)  in_reward: algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.kl_coef;
+                             else actor.use_kl_loss, kl_loss_coef, kl_loss_type
+  algo.gamma/lam             algorithm.gamma/lam
+  algo.entropy_coef, vf_clip actor.entropy_coeff, critic.cliprange_value
+  trainer.actor_lr/critic_lr actor.optim.lr / critic.optim.lr (+ weight_decay, max_grad_norm → optim.clip_grad)
+  trainer.questions_per_step data.train_batch_size; group_size → rollout.n
+  trainer.minibatch_size     actor.ppo_mini_batch_size = minibatch_size / group_size (verl counts prompts)
+  trainer.ppo_epochs, critic_warmup, total_steps, val_every, save_every, val_questions
+  task.max_turns             rollout.multi_turn.max_assistant_turns
+  trainer.rollout            temperature, top_p; max_total_tokens = data.max_prompt_length
+                             (backend.max_prompt_length) + data.max_response_length
+  model                      actor_rollout_ref.model.path = critic.model.path; dtype; checkpointing
+  backend                    trainer.nnodes, n_gpus_per_node, rollout engine, TP, micro-batches
+  tracking                   trainer.logger=[console,mlflow], project = tracking.experiment
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from stppo.config import Config
+
+# --- names shared with the policy-loss plugin (stppo/integrations/verl/losses.py) -------------
+LOSS_MODE_PREFIX = "stppo_"  # loss_mode = LOSS_MODE_PREFIX + preset name
+LOSS_CONFIG_TARGET = "stppo.integrations.verl.losses.StppoPolicyLossConfig"
+LOSS_FIELDS = ("tau", "estimator", "granularity")  # extra fields of that PolicyLossConfig subclass
+# --- names of this package's verl-side modules -------------------------------------------------
+REWARD_PATH = "pkg://stppo.integrations.verl.reward"
+REWARD_NAME = "compute_score"
+TOOL_FORMAT = "search_r1"  # the ToolParser registered by stppo.integrations.verl.tool
+AGENT_LOOP = "search_r1_agent"  # the tool agent loop with Search-R1's stop tags (tool.py)
+
+ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus"}
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+MAX_TOOL_RESPONSE_CHARS = 8192  # verl truncates longer tool responses (middle); 3 passages fit
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """Where a job's converted data, tool config and checkpoints are (absolute paths)."""
+
+    train: str
+    val: str
+    tool_config: str
+    checkpoints: str
+
+
+def loss_mode(preset: str) -> str:
+    return LOSS_MODE_PREFIX + preset
+
+
+def model_source(cfg: Config) -> str:
+    """The model verl loads: `model.path`, else the preset's hub id (pretrained presets only)."""
+    if cfg.model.path:
+        return cfg.model.path
+    from stppo.models.presets import get_model_preset
+
+    preset = get_model_preset(cfg.model.name)
+    if preset.kind != "pretrained":
+        raise ValueError(f"model={cfg.model.name} is a {preset.kind} preset built by stppo's own trainer; "
+                         "backend=verl needs a pretrained model: model=qwen2_5_* or model.path=DIR")
+    return preset.source
+
+
+def check_translatable(cfg: Config) -> None:
+    """Reject settings the verl backend cannot honour (one line naming the field)."""
+    from stppo.algos import PRESETS
+
+    a, t = cfg.algo, cfg.trainer
+    p = PRESETS[a.name]
+    fixed = {"algo.ratio_level": (a.ratio_level, p.ratio_level), "algo.advantage": (a.advantage, p.advantage),
+             "algo.correction.kind": (a.correction.kind, p.correction), "algo.use_critic": (a.use_critic, p.uses_critic)}
+    for key, (mine, preset) in fixed.items():
+        if mine != preset:
+            raise ValueError(f"{key}={mine} differs from preset {a.name} ({preset}); with backend=verl the policy "
+                             f"loss is the preset's ({loss_mode(a.name)}): choose the preset with algo=NAME")
+    if a.advantage not in ADV_ESTIMATORS:
+        raise ValueError(f"algo.advantage={a.advantage} has no verl estimator; backend=verl supports "
+                         f"{', '.join(ADV_ESTIMATORS)}")
+    if t.minibatch_size % t.group_size:
+        raise ValueError(f"trainer.minibatch_size={t.minibatch_size} must be a multiple of trainer.group_size="
+                         f"{t.group_size} with backend=verl (verl's mini-batches are whole prompt groups)")
+    if t.rollout.max_total_tokens <= cfg.backend.max_prompt_length:
+        raise ValueError(f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens} must exceed "
+                         f"backend.max_prompt_length={cfg.backend.max_prompt_length} (the rest is the response)")
+    if not cfg.tracking.enabled:
+        raise ValueError("tracking.enabled=false: backend=verl follows verl through its MLflow run; "
+                         "enable tracking (tracking.uri=… for another store)")
+    if t.warmstart.enabled:
+        raise ValueError("trainer.warmstart.enabled=true: verl has no SFT warm start; set "
+                         "trainer.warmstart.enabled=false (pretrained models follow the prompt)")
+    if cfg.task.prompt_style == "compact":
+        raise ValueError("task.prompt_style=compact is for stppo's random-init models; backend=verl sends "
+                         "Search-R1's instruction as a chat prompt: set task.prompt_style=search_r1")
+    model_source(cfg)
+
+
+def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
+    """Every verl override of the job, in a fixed order; `backend.overrides` come last."""
+    check_translatable(cfg)
+    o: dict[str, Any] = {}
+    o.update(_data(cfg, files))
+    o.update(_algorithm(cfg))
+    o.update(_actor(cfg))
+    o.update(_rollout(cfg, files))
+    o.update(_critic(cfg))
+    o.update(_model(cfg))
+    o.update(_trainer(cfg, files))
+    o["reward.custom_reward_function.path"] = REWARD_PATH
+    o["reward.custom_reward_function.name"] = REWARD_NAME
+    return [f"{k}={fmt(v)}" for k, v in o.items()] + list(cfg.backend.overrides)
+
+
+def _data(cfg: Config, files: JobFiles) -> dict[str, Any]:
+    t, b = cfg.trainer, cfg.backend
+    return {"data.train_files": files.train, "data.val_files": files.val, "data.prompt_key": "prompt",
+            "data.train_batch_size": t.questions_per_step, "data.val_max_samples": t.val_questions,
+            "data.max_prompt_length": b.max_prompt_length,
+            "data.max_response_length": t.rollout.max_total_tokens - b.max_prompt_length,
+            "data.filter_overlong_prompts": True, "data.return_raw_chat": True, "data.seed": cfg.seed}
+
+
+def _algorithm(cfg: Config) -> dict[str, Any]:
+    a = cfg.algo
+    o: dict[str, Any] = {"algorithm.adv_estimator": ADV_ESTIMATORS[a.advantage], "algorithm.gamma": a.gamma,
+                         "algorithm.lam": a.lam, "algorithm.norm_adv_by_std_in_grpo": True,
+                         "algorithm.use_kl_in_reward": a.kl.coef > 0 and a.kl.in_reward}
+    if a.kl.coef > 0 and a.kl.in_reward:
+        o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
+                  "algorithm.kl_ctrl.kl_coef": a.kl.coef})
+    return o
+
+
+def _actor(cfg: Config) -> dict[str, Any]:
+    a, t, c = cfg.algo, cfg.trainer, cfg.algo.correction
+    pl = f"{ACTOR}.policy_loss"
+    o: dict[str, Any] = {
+        f"{pl}.loss_mode": loss_mode(a.name), f"{pl}._target_": LOSS_CONFIG_TARGET,
+        **{f"+{pl}.{name}": value for name, value in zip(LOSS_FIELDS, (c.tau, c.estimator, c.granularity))},
+        f"{ACTOR}.clip_ratio_low": a.clip_low, f"{ACTOR}.clip_ratio_high": a.clip_high,
+        f"{ACTOR}.loss_agg_mode": a.loss_agg, f"{ACTOR}.entropy_coeff": a.entropy_coef,
+        f"{ACTOR}.use_kl_loss": a.kl.coef > 0 and not a.kl.in_reward,
+        f"{ACTOR}.ppo_epochs": t.ppo_epochs, f"{ACTOR}.ppo_mini_batch_size": t.minibatch_size // t.group_size,
+        f"{ACTOR}.ppo_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu,
+        f"{ACTOR}.optim.lr": t.actor_lr, f"{ACTOR}.optim.weight_decay": t.weight_decay,
+        f"{ACTOR}.optim.clip_grad": t.max_grad_norm,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu,
+    }
+    if a.dual_clip is not None:
+        o[f"{ACTOR}.clip_ratio_c"] = a.dual_clip
+    if a.kl.coef > 0 and not a.kl.in_reward:
+        o.update({f"{ACTOR}.kl_loss_coef": a.kl.coef, f"{ACTOR}.kl_loss_type": a.kl.estimator})
+    return o
+
+
+def _rollout(cfg: Config, files: JobFiles) -> dict[str, Any]:
+    t, b = cfg.trainer, cfg.backend
+    return {
+        f"{ROLLOUT}.name": b.rollout_engine, f"{ROLLOUT}.n": t.group_size,
+        f"{ROLLOUT}.temperature": t.rollout.temperature, f"{ROLLOUT}.top_p": t.rollout.top_p,
+        f"{ROLLOUT}.tensor_model_parallel_size": b.rollout_tp,
+        f"{ROLLOUT}.gpu_memory_utilization": b.gpu_memory_utilization,
+        f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": b.micro_batch_size_per_gpu,
+        f"{ROLLOUT}.val_kwargs.do_sample": False,  # greedy validation, as the own trainer's
+        f"{ROLLOUT}.multi_turn.enable": True, f"{ROLLOUT}.multi_turn.max_assistant_turns": cfg.task.max_turns,
+        f"{ROLLOUT}.multi_turn.tool_config_path": files.tool_config, f"{ROLLOUT}.multi_turn.format": TOOL_FORMAT,
+        f"{ROLLOUT}.multi_turn.max_tool_response_length": MAX_TOOL_RESPONSE_CHARS,
+        f"{ROLLOUT}.agent.default_agent_loop": AGENT_LOOP,
+    }
+
+
+def _critic(cfg: Config) -> dict[str, Any]:
+    a, t = cfg.algo, cfg.trainer
+    o: dict[str, Any] = {"critic.enable": a.use_critic}
+    if a.use_critic:
+        o.update({"critic.optim.lr": t.critic_lr, "critic.optim.weight_decay": t.weight_decay,
+                  "critic.optim.clip_grad": t.max_grad_norm, "critic.cliprange_value": a.vf_clip,
+                  "critic.ppo_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu})
+    return o
+
+
+def _model(cfg: Config) -> dict[str, Any]:
+    path, m = model_source(cfg), cfg.model
+    o: dict[str, Any] = {}
+    for prefix in ("actor_rollout_ref.model", "critic.model"):
+        o[f"{prefix}.path"] = path
+        o[f"{prefix}.enable_gradient_checkpointing"] = m.gradient_checkpointing
+    if m.dtype != "auto":  # auto: verl's default, bf16 compute over fp32 master weights
+        o.update({f"{ROLLOUT}.dtype": m.dtype, f"{ACTOR}.fsdp_config.dtype": m.dtype,
+                  "actor_rollout_ref.ref.fsdp_config.dtype": m.dtype, "critic.fsdp.dtype": m.dtype})
+    return o
+
+
+def _trainer(cfg: Config, files: JobFiles) -> dict[str, Any]:
+    t, b = cfg.trainer, cfg.backend
+    return {
+        "trainer.logger": ["console", "mlflow"], "trainer.project_name": cfg.tracking.experiment,
+        "trainer.experiment_name": cfg.tracking.run_name or f"{cfg.algo.name}-{cfg.model.name}-seed{cfg.seed}",
+        "trainer.nnodes": b.nnodes, "trainer.n_gpus_per_node": b.n_gpus_per_node,
+        "trainer.total_training_steps": t.total_steps, "trainer.total_epochs": t.total_steps,
+        "trainer.critic_warmup": t.critic_warmup, "trainer.val_before_train": True,
+        "trainer.test_freq": t.val_every or -1, "trainer.save_freq": t.save_every or -1,
+        "trainer.default_local_dir": files.checkpoints,
+        "trainer.resume_mode": "auto" if t.resume else "disable",
+    }
+
+
+def env_overrides(env: Mapping[str, str]) -> list[str]:
+    """Environment variables for verl's Ray workers (its MLflow logger runs in a Ray actor)."""
+    return [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={fmt(v)}" for k, v in env.items()]
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:~+-]+$")
+
+
+def fmt(value: Any) -> str:
+    """A value in Hydra's override grammar (strings quoted unless plainly safe)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite setting {value} cannot go to verl")
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(fmt(v) for v in value) + "]"
+    text = str(value)
+    if _PLAIN.match(text) and text not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def format_command(argv: list[str], env: Mapping[str, str]) -> str:
+    """The command as a copy-pasteable shell line, one override per line."""
+    head = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    lines = [f"{head} {shlex.quote(argv[0])} {argv[1]} {argv[2]}".strip()]
+    lines += [f"    {shlex.quote(a)}" for a in argv[3:]]
+    return " \\\n".join(lines)

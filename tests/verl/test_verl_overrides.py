@@ -1,0 +1,132 @@
+"""The launcher's verl overrides compose with verl 0.9.1's own `ppo_trainer` config and build verl's
+config dataclasses (actor, critic, rollout, algorithm, model) and pass `validate_config`, for every
+preset, for +experiment=paper_search with each Qwen2.5 size, and for a group preset with its group.
+
+The model folder is a local stand-in (`local_model.py`; no hub here): the translated path is
+checked to be the preset's hub id, then swapped for the local folder that verl's model config reads.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from local_model import make_local_model
+
+from stppo.algos import PRESETS
+from stppo.config import compose, to_config
+from stppo.integrations.verl import overrides as O
+
+QWEN = {"qwen2_5_0_5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2_5_1_5b": "Qwen/Qwen2.5-1.5B-Instruct",
+        "qwen2_5_3b": "Qwen/Qwen2.5-3B-Instruct", "qwen2_5_7b": "Qwen/Qwen2.5-7B-Instruct"}
+SMALL = ["backend=verl", "trainer.warmstart.enabled=false", "task.prompt_style=search_r1",
+         "trainer.rollout.max_total_tokens=1024"]
+
+
+def _plugin_config_class() -> None:
+    """The policy-loss plugin's config class (verl-plugin branch). Until that module exists in
+    this checkout, a subclass with the same three fields stands in, so the composition is tested."""
+    try:
+        __import__(O.LOSS_CONFIG_TARGET.rsplit(".", 1)[0])
+        return
+    except ImportError:
+        pass
+    from verl.workers.config import PolicyLossConfig
+
+    @dataclass
+    class StppoPolicyLossConfig(PolicyLossConfig):
+        tau: Optional[float] = None
+        estimator: str = "token"
+        granularity: str = "batch"
+
+    module_name, cls = O.LOSS_CONFIG_TARGET.rsplit(".", 1)
+    mod = types.ModuleType(module_name)
+    setattr(mod, cls, StppoPolicyLossConfig)
+    sys.modules[module_name] = mod
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    _plugin_config_class()
+    return make_local_model(tmp_path_factory.mktemp("model"))
+
+
+def verl_compose(overrides: list[str]):
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    conf = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return hydra_compose("ppo_trainer", overrides=overrides)
+
+
+def translate(stppo_overrides: list[str], model_dir: Path, hub_id: str | None = None):
+    """(stppo Config, verl config, built dataclasses) of one job."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    cfg = to_config(compose(stppo_overrides))
+    files = O.JobFiles("/data/train.parquet", "/data/val.parquet", "/data/tool_config.yaml", "/ckpt")
+    ov = O.verl_overrides(cfg, files) + O.env_overrides({"MLFLOW_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "sqlite:////x.db"})
+    paths = [o for o in ov if o.endswith("model.path=" + (hub_id or str(model_dir)))]
+    assert len(paths) == 2, "actor and critic model paths"
+    ov = [o.split("=", 1)[0] + f"={model_dir}" if o in paths else o for o in ov]
+    c = verl_compose(ov)
+    validate_config(c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    built = {"actor": omega_conf_to_dataclass(c.actor_rollout_ref.actor),
+             "rollout": omega_conf_to_dataclass(c.actor_rollout_ref.rollout),
+             "algorithm": omega_conf_to_dataclass(c.algorithm),
+             "model": omega_conf_to_dataclass(c.actor_rollout_ref.model),
+             "critic": omega_conf_to_dataclass(c.critic) if need_critic(c) else None}
+    return cfg, c, built
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, model_dir):
+    cfg, c, b = translate([*SMALL, f"algo={preset}", f"model.path={model_dir}"], model_dir)
+    p = PRESETS[preset]
+    loss = b["actor"].policy_loss
+    assert type(loss).__name__ == "StppoPolicyLossConfig" and loss.loss_mode == f"stppo_{preset}"
+    assert (loss.tau, loss.estimator, loss.granularity) == (cfg.algo.correction.tau, "token", "batch")
+    assert b["algorithm"].adv_estimator == p.advantage
+    assert (b["critic"] is not None) == p.uses_critic
+    a = b["actor"]
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert a.ppo_mini_batch_size == cfg.trainer.minibatch_size // cfg.trainer.group_size
+    assert (a.optim.lr, a.ppo_epochs) == (cfg.trainer.actor_lr, cfg.trainer.ppo_epochs)
+    r = b["rollout"]
+    assert (r.n, r.multi_turn.max_assistant_turns, r.multi_turn.format) == (cfg.trainer.group_size, 4, "search_r1")
+    assert r.multi_turn.enable and r.agent.default_agent_loop == O.AGENT_LOOP
+    assert c.data.max_prompt_length + c.data.max_response_length == 1024
+    assert c.reward.custom_reward_function.path == O.REWARD_PATH
+    assert list(c.trainer.logger) == ["console", "mlflow"]
+    assert c.ray_kwargs.ray_init.runtime_env.env_vars.MLFLOW_RUN_ID == "abc"
+    assert b["model"].local_path == str(model_dir)
+
+
+@pytest.mark.parametrize("size", list(QWEN))
+def test_paper_search_composes_with_each_qwen_size(size, model_dir):
+    cfg, c, b = translate(["backend=verl", "+experiment=paper_search", "algo=st_ppo", f"model={size}"],
+                          model_dir, hub_id=QWEN[size])
+    a, algo, crit = b["actor"], b["algorithm"], b["critic"]
+    assert (a.optim.lr, crit.optim.lr) == (1e-6, 1e-5)
+    assert a.ppo_mini_batch_size == 256 and c.data.train_batch_size == 512
+    assert algo.use_kl_in_reward and algo.kl_ctrl.kl_coef == 0.001 and algo.kl_penalty == "k1"
+    assert not a.use_kl_loss and algo.gamma == 1.0 and algo.lam == 1.0
+    assert c.data.max_prompt_length + c.data.max_response_length == 4096
+    assert b["rollout"].dtype == "bfloat16" and c.actor_rollout_ref.model.enable_gradient_checkpointing
+    assert c.trainer.total_training_steps == 1005 and c.trainer.test_freq == 100
+
+
+def test_a_group_preset_takes_its_group_size(model_dir):
+    cfg, c, b = translate(["backend=verl", "+experiment=paper_search", "algo=grpo", "trainer.group_size=5",
+                           "trainer.minibatch_size=1280", "model=qwen2_5_3b"], model_dir, hub_id=QWEN["qwen2_5_3b"])
+    assert b["rollout"].n == 5 and b["actor"].ppo_mini_batch_size == 256
+    assert b["algorithm"].adv_estimator == "grpo" and b["critic"] is None and not c.critic.enable

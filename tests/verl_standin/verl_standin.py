@@ -1,0 +1,71 @@
+"""Stand-in for `python -m verl.trainer.main_ppo` in the launcher's tests (no GPU, no vLLM here).
+
+It takes the launcher's real command line (the verl overrides), reads the real converted
+parquet for the data source, and logs verl-named metrics through verl's own `Tracking` class
+(mlflow backend, attached to MLFLOW_RUN_ID) — the same code path as verl's trainer — then ends
+as STANDIN_MODE says:
+  ok        log every step, exit 0 (verl's Tracking.finish ends the MLflow run, as verl's does)
+  fail      log 2 steps, print a traceback-like tail on stderr, exit 3
+  hang      log 2 steps, then wait to be killed (SIGTERM / SIGKILL)
+  collapse  success 0.6, then 0.05 from step 4 on, for up to 1000 steps (the launcher stops it)
+  nonfinite actor/grad_norm = NaN from step 2 on, for up to 1000 steps
+STANDIN_STEP_S: seconds between steps (default 0.05); STANDIN_PID_FILE: write the pid there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+
+def success(mode: str, step: int) -> float:
+    if mode in ("collapse",):
+        return 0.6 if step < 4 else 0.05
+    return min(0.9, 0.2 + 0.05 * step)
+
+
+def main(argv: list[str]) -> int:
+    import pyarrow.parquet as pq
+    from verl.utils.tracking import Tracking
+
+    ov = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a)
+    mode = os.environ.get("STANDIN_MODE", "ok")
+    if os.environ.get("STANDIN_PID_FILE"):
+        with open(os.environ["STANDIN_PID_FILE"], "w") as f:
+            f.write(str(os.getpid()))
+    pause = float(os.environ.get("STANDIN_STEP_S", "0.05"))
+    steps = int(ov["trainer.total_training_steps"]) if mode in ("ok", "fail", "hang") else 1000
+    test_freq = int(ov["trainer.test_freq"])
+    source = pq.read_table(ov["data.val_files"].strip("'"), columns=["data_source"]).column(0)[0].as_py()
+    tracking = Tracking(ov["trainer.project_name"], ov["trainer.experiment_name"],
+                        default_backend=["console", "mlflow"],
+                        config={"trainer": {"project_name": ov["trainer.project_name"]},
+                                "data": {"train_batch_size": int(ov["data.train_batch_size"])}})
+    tracking.log({f"val-core/{source}/acc/mean@1": 0.3}, step=0)  # val_before_train
+    for step in range(1, steps + 1):
+        if mode in ("fail", "hang") and step > 2:
+            break
+        s = success(mode, step)
+        metrics = {"critic/score/mean": s, "critic/rewards/mean": s - 0.01, "num_turns/mean": 4.0 + step % 2,
+                   "actor/pg_loss": 0.1, "actor/grad_norm": math.nan if mode == "nonfinite" and step >= 2 else 1.5,
+                   "actor/pg_clipfrac": 0.05, "response_length/mean": 120.0, "timing_s/step": pause,
+                   "timing_s/gen": pause / 2, "critic/advantages/mean": 0.0}
+        if step % test_freq == 0 or step == steps:
+            metrics[f"val-core/{source}/acc/mean@1"] = s
+        tracking.log(metrics, step=step)
+        time.sleep(pause)
+    if mode == "fail":
+        print("Traceback (most recent call last):\n  File \"main_ppo.py\", line 1\n"
+              "torch.OutOfMemoryError: CUDA out of memory (stand-in)", file=sys.stderr, flush=True)
+        return 3
+    if mode == "hang":
+        while True:
+            time.sleep(1)
+    tracking.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
