@@ -16,6 +16,7 @@ from stppo.config import AlgoConfig, TrainerConfig
 from stppo.models import policy_log_probs
 from stppo.tracking import (CLIP_BIAS_GRAD_NORM, CRITIC_GRAD_NORM, ENTROPY, GRAD_NORM,
                             GRAD_NORM_MAX, LR, PG_LOSS, SKIPPED_STEPS, VF_EXPLAINED_VAR, VF_LOSS)
+from stppo.train.baselines import loss_extras
 from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 
@@ -56,11 +57,14 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
     denoms = d.global_denoms(mb.loss_mask)  # None for one process: this minibatch's own
     lp, ent = policy_log_probs(policy, mb.input_ids, mb.attention_mask, return_entropy=True)
     corr = _correction(algo)
+    extra, extra_m = loss_extras(algo, mb)  # baselines: loss_mode, options, TIS weights
     loss, m = policy_loss(lp, mb.old_log_probs, mb.advantages, mb.loss_mask, mb.turn_ids,
                           ratio_level=algo.ratio_level, clip_low=algo.clip_low,
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
                           dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
-                          params=params if corr is not None and corr.estimator == "grad" else None)
+                          params=params if corr is not None and corr.estimator == "grad" else None,
+                          **extra)
+    m.update(extra_m)
     m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
