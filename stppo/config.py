@@ -305,14 +305,11 @@ def _check_baselines(cfg: "Config") -> None:
     """Settings of the baselines that span groups (algo and trainer)."""
     if not isinstance(cfg.algo, AlgoConfig) or not isinstance(cfg.trainer, TrainerConfig):
         return  # MISSING while OmegaConf builds the schema
-    a, t = cfg.algo, cfg.trainer
+    a, t = cfg.algo, cfg.trainer  # (dynamic sampling keeps groups of one: a no-op at group_size 1)
     if a.overlong.enabled:
         _check(a.overlong.buffer_len <= t.rollout.max_total_tokens,
                f"algo.overlong.buffer_len={a.overlong.buffer_len} must be <= "
                f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens}")
-    if a.dynamic_sampling.enabled:
-        _check(t.group_size >= 2, "algo.dynamic_sampling needs trainer.group_size >= 2 (a group "
-                                  f"of one never has reward variance), got {t.group_size}")
 
 
 def register_configs() -> None:

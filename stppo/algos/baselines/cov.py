@@ -74,7 +74,8 @@ def clip_cov_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, 
                    reduce, rollout_is_weights)
     with torch.no_grad():
         rho = v.ratio.detach()
-        parts = surrogate_parts(rho, v.adv, clip_low, clip_high)
+        eps = torch.tensor([clip_low, clip_high], dtype=rho.dtype, device=rho.device)  # bounds
+        parts = surrogate_parts(rho, v.adv, eps[0], eps[1])  # in ρ's dtype, not float32
         cov = token_covariance(advantages, log_probs.detach(), loss_mask)  # (N, T)
         cand = (loss_mask & ~parts.clipped & (cov > opts["clip_cov_lb"])
                 & (cov < opts["clip_cov_ub"]))  # (N, T)

@@ -32,7 +32,8 @@ def gmpo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip
         pos, neg = v.adv > 0, v.adv < 0  # (N, T)
         hi = pos & (v.delta > clip_high)  # (N, T) the clip binds
         lo = neg & (v.delta < -clip_low)
-        bound = torch.where(hi, clip_high, -clip_low).to(v.delta.dtype)  # (N, T)
+        eps = torch.tensor([clip_high, -clip_low], dtype=v.delta.dtype, device=v.delta.device)
+        bound = torch.where(hi, eps[0], eps[1])  # (N, T) (tensors: two floats give float32)
         n = v.lengths.clamp(min=1.0)  # (N,)
         adv_seq = v.adv.sum(dim=1) / n  # (N,) Ā_i
     d = torch.where(hi | lo, bound, v.delta) * (v.adv != 0)  # (N, T) δ̃, 0 where A = 0 (sgn 0)

@@ -37,7 +37,9 @@ def sapo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss
     v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
                    reduce, rollout_is_weights)
     with torch.no_grad():
-        tau = torch.where(v.adv > 0, opts["tau_pos"], opts["tau_neg"]).to(v.adv.dtype)  # (N, T)
+        taus = torch.tensor([opts["tau_pos"], opts["tau_neg"]], dtype=v.adv.dtype,
+                            device=v.adv.device)  # tensors: torch.where of two floats is float32
+        tau = torch.where(v.adv > 0, taus[0], taus[1])  # (N, T)
     s = weighted(v, -sapo_gate(v.ratio, tau) * v.adv)  # (N, T)
     loss = assemble(v, s)
     with torch.no_grad():
