@@ -17,7 +17,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from stppo.diagnostics import CollapseConfig
 
 RATIO_LEVELS = ("token", "turn", "sequence")
-ADVANTAGES = ("gae", "grpo", "turn_gae")
+ADVANTAGES = ("gae", "grpo", "turn_gae", "rloo", "reinforce_pp")
+CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp")  # the others need a critic
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 CORRECTIONS = ("none", "clip_bias_norm", "clip_triggered")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -65,6 +66,47 @@ class KLConfig:
 
 
 @dataclass
+class RolloutISConfig:
+    """Truncated importance sampling between the sampler's and the trainer's log-probs (verl's
+    algorithm.rollout_correction: rollout_is, rollout_is_threshold); usable with any preset."""
+    kind: str = "none"  # none | token
+    threshold: float = 2.0  # C: ω = min(π_old / π_rollout, C)
+
+    def __post_init__(self) -> None:
+        _one_of("algo.rollout_is.kind", self.kind, ("none", "token"))
+        _check(self.threshold > 0, f"algo.rollout_is.threshold must be > 0, got {self.threshold}")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: drop groups whose rewards all agree, roll out more questions to
+    refill the batch (verl's algorithm.filter_groups)."""
+    enabled: bool = False
+    max_rounds: int = 4  # refill rollouts per step at most (verl: max_num_gen_batches − 1)
+    refill_factor: float = 2.0  # questions rolled out per missing group (verl's replay buffer: 2)
+
+    def __post_init__(self) -> None:
+        _check(self.max_rounds >= 0, f"algo.dynamic_sampling.max_rounds must be >= 0, got "
+                                     f"{self.max_rounds}")
+        _check(self.refill_factor >= 1, f"algo.dynamic_sampling.refill_factor must be >= 1, got "
+                                        f"{self.refill_factor}")
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment on the trajectory score (verl's overlong_buffer); the
+    length limit is trainer.rollout.max_total_tokens."""
+    enabled: bool = False
+    buffer_len: int = 128  # L_cache: the penalty ramps over the last buffer_len tokens
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.buffer_len >= 1, f"algo.overlong.buffer_len must be >= 1, got {self.buffer_len}")
+        _check(self.penalty_factor >= 0, f"algo.overlong.penalty_factor must be >= 0, got "
+                                         f"{self.penalty_factor}")
+
+
+@dataclass
 class AlgoConfig:
     name: str = MISSING  # preset name (stppo.algos.PRESETS)
     ratio_level: str = "token"
@@ -82,6 +124,11 @@ class AlgoConfig:
     grpo_eps: float = 1e-6
     entropy_coef: float = 0.0
     vf_clip: float = 0.5
+    loss_mode: str = "clip"  # stppo.algos.LOSS_MODES
+    loss_options: dict[str, float] = field(default_factory=dict)  # the mode's knobs → all resolved
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
     def __post_init__(self) -> None:
         from stppo.algos import PRESETS
@@ -96,9 +143,22 @@ class AlgoConfig:
                f"algo.dual_clip must be null or > 1, got {self.dual_clip}")
         _check(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
                f"algo.gamma and algo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        _check(self.advantage == "grpo" or self.use_critic,
+        _check(self.advantage in CRITIC_FREE_ADVANTAGES or self.use_critic,
                f"algo.advantage={self.advantage} needs a critic: set algo.use_critic=true")
         _check(self.vf_clip > 0, f"algo.vf_clip must be > 0, got {self.vf_clip}")
+        self._check_loss_mode()
+
+    def _check_loss_mode(self) -> None:
+        from stppo.algos import LOSS_MODES, check_loss_mode
+
+        _one_of("algo.loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        try:
+            opts = check_loss_mode(self.loss_mode, ratio_level=self.ratio_level,
+                                   correction_kind=self.correction.kind, dual_clip=self.dual_clip,
+                                   options=dict(self.loss_options))
+        except ValueError as e:
+            raise ValueError(f"algo: {e}") from None
+        self.loss_options = opts
 
 
 @dataclass
@@ -283,6 +343,20 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_baselines(self)
+
+
+def _check_baselines(cfg: "Config") -> None:
+    """Settings of the baselines that span groups (algo and trainer)."""
+    if not isinstance(cfg.algo, AlgoConfig) or not isinstance(cfg.trainer, TrainerConfig):
+        return  # MISSING while OmegaConf builds the schema
+    a, t = cfg.algo, cfg.trainer  # (dynamic sampling keeps groups of one: a no-op at group_size 1)
+    if a.overlong.enabled:
+        _check(a.overlong.buffer_len <= t.rollout.max_total_tokens,
+               f"algo.overlong.buffer_len={a.overlong.buffer_len} must be <= "
+               f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens}")
 
 
 def register_configs() -> None:

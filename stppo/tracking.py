@@ -34,6 +34,27 @@ CLIP_BIAS_GRAD_NORM = "clip_bias/grad_norm"
 CLIP_BIAS_SCALE = "clip_bias/scale"
 CLIP_BIAS_TRIGGERED = "clip_bias/triggered"
 
+# --- baselines' own diagnostics (stppo.algos.baselines; DESIGN.md §2) ---------------------------
+COV_SELECTED_FRAC = "actor/cov_selected_frac"  # clip_cov: tokens detached; kl_cov: tokens penalised
+BAPO_CLIP_LOW = "actor/bapo_clip_low"  # the adaptive ratio bounds c_low, c_high BAPO chose
+BAPO_CLIP_HIGH = "actor/bapo_clip_high"
+BAPO_POS_SHARE = "actor/bapo_pos_share"  # ρ: positive-advantage tokens' share of the loss
+
+# --- sampler vs trainer: truncated importance sampling (verl's rollout_corr/* names) -----------
+ROLLOUT_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
+ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
+ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
+ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
+
+# --- DAPO's dynamic sampling and overlong reward shaping (stppo.train.dapo) --------------------
+DS_ROLLOUTS = "dynamic_sampling/rollouts"  # rollout calls this step (1 = no refill needed)
+DS_GROUPS_ROLLED = "dynamic_sampling/groups_rolled_out"
+DS_GROUPS_DROPPED = "dynamic_sampling/groups_dropped"  # groups whose rewards all agree
+DS_GROUPS_FILLED = "dynamic_sampling/filler_groups"  # dropped groups put back: refills ran out
+OVERLONG_PENALTY_MEAN = "overlong/penalty_mean"
+OVERLONG_FRAC = "overlong/penalised_frac"
+
 # --- critic / advantages -----------------------------------------------------------------------
 VF_LOSS = "critic/vf_loss"
 VF_CLIPFRAC = "critic/vf_clipfrac"

@@ -101,8 +101,8 @@ def test_registry_dispatch_whitening_and_errors():
     adv, _ = compute_advantages("grpo", loss_mask=mask, scores=torch.tensor([1.0, 0, 1, 0]),
                                 group_ids=torch.tensor([0, 0, 1, 1]))
     assert adv[mask].abs().min() > 0
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "turn_gae"}
-    with pytest.raises(ValueError, match="valid: gae, grpo, turn_gae"):
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "turn_gae", "rloo", "reinforce_pp"}
+    with pytest.raises(ValueError, match="valid: gae, grpo, turn_gae, rloo, reinforce_pp"):
         compute_advantages("vtrace", loss_mask=mask)
     with pytest.raises(ValueError, match="advantage='gae' needs values"):
         compute_advantages("gae", loss_mask=mask, rewards=rewards)

@@ -128,7 +128,7 @@ def test_presets_match_the_design_table():
         "gspo": ("sequence", "none", "grpo", False),
         "so_grpo": ("turn", "clip_triggered", "grpo", False),
     }
-    assert list(PRESETS) == list(table)
+    assert list(PRESETS)[:len(table)] == list(table)  # then the baselines (test_algos_baselines)
     for name, row in table.items():
         p = PRESETS[name]
         assert (p.ratio_level, p.correction, p.advantage, p.uses_critic) == row
@@ -144,7 +144,7 @@ def test_presets_registry_errors():
     with pytest.raises(ValueError, match="'ppo' is already registered"):
         register_preset(Preset("ppo", "token", "none", "gae", True))
     with pytest.raises(ValueError, match="valid: ppo, turn_ppo, s_ppo, st_ppo, so_ppo, grpo"):
-        PRESETS["dapo"]
+        PRESETS["nope"]
     with pytest.raises(ValueError, match="ratio_level='word' is not valid; allowed: token"):
         Preset("x", "word", "none", "gae", True)
 

@@ -1,29 +1,40 @@
 """stppo.algos — every equation of DESIGN.md §2 as pure torch functions (no I/O, no .item()).
 
 Entry point: `policy_loss(...) -> (loss, metrics)`. Registries (unknown names list the valid
-ones): RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, PRESETS.
+ones): RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, LOSS_MODES, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS,
+PRESETS.
 """
 
 from stppo.algos.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, grpo_advantages,
-                                    masked_whiten, turn_gae)
+                                    masked_whiten, reinforce_pp_advantages, rloo_advantages,
+                                    turn_gae)
 from stppo.algos.aggregation import LOSS_AGGS, agg_denoms, agg_loss, agg_weights
 from stppo.algos.clip_bias import (CORRECTIONS, DEFAULT_TAU, Correction, clip_bias_grad_norm,
                                    clip_bias_norm, clip_bias_term, clip_triggered_ratio,
                                    pg_loss_norm, resolve_correction, sequence_clip_bias_norm)
+from stppo.algos.baselines import LOSS_MODES, check_loss_mode, resolve_options
+from stppo.algos.baselines.bapo import bapo_schedule, positive_share
+from stppo.algos.baselines.sapo import sapo_gate
+from stppo.algos.dapo import groups_with_signal, overlong_penalty
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
 from stppo.algos.loss import policy_loss
-from stppo.algos.presets import DEFAULT_LOSS_AGG, PRESETS, Preset, register_preset
+from stppo.algos.presets import (DEFAULT_LOSS_AGG, POLICY_LOSS_KEYWORDS, PRESETS, Preset,
+                                 register_preset)
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
                                 token_ratio, turn_ratio)
+from stppo.algos.rollout_is import ROLLOUT_IS_KINDS, truncated_is_weights
 from stppo.registry import Registry, UnknownNameError
 from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, surrogate_parts
 from stppo.algos.value import explained_variance, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "DEFAULT_LOSS_AGG", "DEFAULT_TAU", "KL_ESTIMATORS",
-    "LOSS_AGGS", "PRESETS", "RATIO_LEVELS", "Correction", "Preset", "Registry", "Surrogate",
+    "LOSS_AGGS", "LOSS_MODES", "POLICY_LOSS_KEYWORDS", "PRESETS", "ROLLOUT_IS_KINDS", "RATIO_LEVELS", "Correction", "Preset", "Registry", "Surrogate",
     "SurrogateParts", "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights",
+    "bapo_schedule", "check_loss_mode", "groups_with_signal", "overlong_penalty",
+    "positive_share", "reinforce_pp_advantages", "resolve_options", "rloo_advantages",
+    "sapo_gate", "truncated_is_weights",
     "clip_bias_grad_norm", "clip_bias_norm",
     "clip_bias_term", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages",
     "entropy_from_logits", "explained_variance", "gae", "grpo_advantages", "importance_ratio",

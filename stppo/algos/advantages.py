@@ -11,6 +11,16 @@ off agent tokens have no effect (rewards belong on agent tokens: the outcome at 
 GRPO (group-relative): A_i = (R_i − mean_g R) / (std_g R + ε) with the *unbiased* std (as verl's
 torch.std), 0 for groups of one, broadcast to the trajectory's agent tokens.
 
+RLOO (leave-one-out, arXiv 2402.14740; verl `compute_rloo_outcome_advantage`): with R_i the sum of
+the trajectory's token rewards (the outcome, plus −β·KL when the KL is in the reward) and n its
+group's size, A_i = R_i − mean_{j≠i} R_j = n/(n−1) (R_i − mean_g R); a group of one keeps A_i = R_i
+(verl's 'rloo'; its 'rloo_vectorized' gives 0 there). No critic, no whitening.
+
+REINFORCE++ (arXiv 2501.03262; verl `compute_reinforce_plus_plus_outcome_advantage`): the
+discounted return over agent tokens, G_{t_j} = Σ_{k≥j} γ^{k−j} r_{t_k} (observation positions are
+skipped, as in GAE: it is GAE with V ≡ 0 and λ = 1), whitened over the batch's agent tokens;
+returns = G.
+
 Turn-level GAE (option): one step per turn — the turn's reward is the sum of its tokens' rewards
 (the outcome lands in the last turn), its value is the value at the turn's first agent token; γ
 and λ apply per turn; advantages and returns are broadcast to the turn's tokens.
@@ -157,6 +167,51 @@ def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, lam, whi
     _need("turn_gae", rewards=rewards, values=values, turn_ids=turn_ids)
     adv, ret = turn_gae(rewards, values, loss_mask, turn_ids, gamma, lam)
     return (masked_whiten(adv, loss_mask, reduce=reduce) if whiten else adv), ret
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
+    """A_i = R_i − mean of the other members' R, R_i = Σ_t over agent tokens of rewards (N, T);
+    R_i for groups of one; broadcast to agent tokens. (N, T)"""
+    n = loss_mask.shape[0]
+    if group_ids.shape != (n,) or rewards.shape != loss_mask.shape:
+        raise ValueError(f"rewards must be (N, T) like loss_mask and group_ids (N,); got "
+                         f"{tuple(rewards.shape)}, {tuple(group_ids.shape)}, "
+                         f"{tuple(loss_mask.shape)}")
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = torch.where(loss_mask, rewards.to(dtype), 0.0).sum(dim=1)  # (N,)
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (N,)
+    g = int(inv.max()) + 1 if inv.numel() else 0
+    count = r.new_zeros(g).index_add_(0, inv, torch.ones_like(r))[inv]  # (N,)
+    total = r.new_zeros(g).index_add_(0, inv, r)[inv]  # (N,)
+    adv = torch.where(count > 1, (count * r - total) / (count - 1).clamp(min=1), r)  # (N,)
+    return torch.where(loss_mask, adv.unsqueeze(1), 0.0)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float,
+                            reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whitened discounted returns, returns) over agent tokens, both (N, T); see the module
+    docstring. `reduce` (data parallelism) makes the whitening global."""
+    zeros = torch.zeros_like(rewards, dtype=rewards.dtype if rewards.is_floating_point()
+                             else torch.float32)
+    returns, _ = gae(rewards, zeros, loss_mask, gamma, 1.0)  # V ≡ 0, λ = 1: discounted return
+    return masked_whiten(returns, loss_mask, reduce=reduce), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo_estimator(*, loss_mask, rewards, group_ids, **_):
+    _need("rloo", rewards=rewards, group_ids=group_ids)
+    adv = rloo_advantages(rewards, group_ids, loss_mask)
+    return adv, adv.clone()  # no critic: returns = advantages (as verl)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp_estimator(*, loss_mask, rewards, gamma, reduce=None, **_):
+    _need("reinforce_pp", rewards=rewards)
+    return reinforce_pp_advantages(rewards, loss_mask, gamma, reduce)
 
 
 def compute_advantages(name: str, *, loss_mask: torch.Tensor, turn_ids=None, rewards=None,

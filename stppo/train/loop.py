@@ -29,7 +29,7 @@ from stppo.config import Config
 from stppo.diagnostics import CollapseDetector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
-from stppo.train import checkpoint
+from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
 from stppo.train.prepare import prepare_batch
 from stppo.train.setup import Components
@@ -172,7 +172,9 @@ class Trainer:
         salt = "rollout" if d.rank == 0 else f"rollout-rank{d.rank}"
         gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
         with c.precision.autocast():
-            batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+            rolled = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+            # DAPO's dynamic sampling / overlong shaping, when on (else the rollout itself):
+            batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, rollout_config(cfg), step, salt)
         t_roll = time.perf_counter() - t0
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
                                        precision=c.precision, skip_old=self.skip_old)
@@ -184,7 +186,8 @@ class Trainer:
             metrics[K.SKIPPED_STEPS] = 0.0
         if c.critic is not None:
             metrics.update(critic_update(c.critic, self.critic_opt, batch, self.ctx))
-        metrics.update(env_metrics(batch))
+        metrics.update(env_metrics(rolled))  # the step's own rollout: before any DAPO filtering
+        metrics.update(dapo_metrics)
         t_step = time.perf_counter() - t0
         metrics.update({K.ROLLOUT_TIME: t_roll, K.UPDATE_TIME: t_step - t_roll, K.STEP_TIME: t_step,
                         K.TOKENS_PER_S: float(batch.attention_mask.sum()) / t_step})

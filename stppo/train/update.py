@@ -19,6 +19,7 @@ from stppo.config import AlgoConfig, Config, TrainerConfig
 from stppo.models import Precision, policy_log_probs
 from stppo.tracking import (CLIP_BIAS_GRAD_NORM, CRITIC_GRAD_NORM, ENTROPY, GRAD_NORM,
                             GRAD_NORM_MAX, LR, PG_LOSS, SKIPPED_STEPS, VF_EXPLAINED_VAR, VF_LOSS)
+from stppo.train.baselines import loss_extras
 from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 
@@ -44,12 +45,14 @@ class UpdateContext:
 def old_log_probs_from_update(cfg: Config) -> bool:
     """True when the update is provably on-policy, so π_old = π_θ at its only forward and the
     old log-probs are that forward's detached log-probs (identical numbers): one epoch, one
-    minibatch holding the whole rollout batch, and nothing before the update that reads the old
-    log-probs (the KL penalty in the reward does)."""
-    tr, kl = cfg.trainer, cfg.algo.kl
+    minibatch holding the whole rollout batch, nothing before the update that reads the old
+    log-probs (the KL penalty in the reward does), and no rollout correction that compares them
+    with the sampler's (TIS)."""
+    tr, algo = cfg.trainer, cfg.algo
     one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
-    kl_reads_old = kl.coef > 0 and kl.in_reward
-    return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old
+    kl_reads_old = algo.kl.coef > 0 and algo.kl.in_reward
+    corrects_rollout = algo.rollout_is.kind != "none"
+    return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not corrects_rollout
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):
@@ -73,11 +76,14 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
                                positions=mb.loss_mask)  # (n, T) each, agent tokens only
     old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()  # on-policy: π_old = π_θ
     corr = _correction(algo)
+    extra, extra_m = loss_extras(algo, mb, old)  # baselines: loss_mode, options, TIS weights
     loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids,
                           ratio_level=algo.ratio_level, clip_low=algo.clip_low,
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
                           dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
-                          params=params if corr is not None and corr.estimator == "grad" else None)
+                          params=params if corr is not None and corr.estimator == "grad" else None,
+                          **extra)
+    m.update(extra_m)
     m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph

@@ -8,11 +8,7 @@ checked to be the preset's hub id, then swapped for the local folder that verl's
 
 from __future__ import annotations
 
-import sys
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from local_model import make_local_model
@@ -27,31 +23,8 @@ SMALL = ["backend=verl", "trainer.warmstart.enabled=false", "task.prompt_style=s
          "trainer.rollout.max_total_tokens=1024"]
 
 
-def _plugin_config_class() -> None:
-    """The policy-loss plugin's config class (verl-plugin branch). Until that module exists in
-    this checkout, a subclass with the same three fields stands in, so the composition is tested."""
-    try:
-        __import__(O.LOSS_CONFIG_TARGET.rsplit(".", 1)[0])
-        return
-    except ImportError:
-        pass
-    from verl.workers.config import PolicyLossConfig
-
-    @dataclass
-    class StppoPolicyLossConfig(PolicyLossConfig):
-        tau: Optional[float] = None
-        estimator: str = "token"
-        granularity: str = "batch"
-
-    module_name, cls = O.LOSS_CONFIG_TARGET.rsplit(".", 1)
-    mod = types.ModuleType(module_name)
-    setattr(mod, cls, StppoPolicyLossConfig)
-    sys.modules[module_name] = mod
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    _plugin_config_class()
     return make_local_model(tmp_path_factory.mktemp("model"))
 
 

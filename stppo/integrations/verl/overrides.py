@@ -34,11 +34,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from stppo.config import Config
+from stppo.integrations.verl import POLICY_LOSS_TARGET as LOSS_CONFIG_TARGET
+from stppo.integrations.verl import loss_mode
 
-# --- names shared with the policy-loss plugin (stppo/integrations/verl/losses.py) -------------
-LOSS_MODE_PREFIX = "stppo_"  # loss_mode = LOSS_MODE_PREFIX + preset name
-LOSS_CONFIG_TARGET = "stppo.integrations.verl.losses.StppoPolicyLossConfig"
+# --- names shared with the policy-loss plugin (stppo/integrations/verl/{plugin,config}.py):
+# loss_mode(preset) = stppo_<preset>, LOSS_CONFIG_TARGET its PolicyLossConfig subclass
 LOSS_FIELDS = ("tau", "estimator", "granularity")  # extra fields of that PolicyLossConfig subclass
+# verl's losses (and the stppo_* plugin, which follows them) always apply the dual clip with
+# `clip_ratio_c` (default 3); stppo's `algo.dual_clip=null` means none, i.e. a bound never reached.
+NO_DUAL_CLIP = 1e9
 # --- names of this package's verl-side modules -------------------------------------------------
 REWARD_PATH = "pkg://stppo.integrations.verl.reward"
 REWARD_NAME = "compute_score"
@@ -59,10 +63,6 @@ class JobFiles:
     val: str
     tool_config: str
     checkpoints: str
-
-
-def loss_mode(preset: str) -> str:
-    return LOSS_MODE_PREFIX + preset
 
 
 def model_source(cfg: Config) -> str:
@@ -162,8 +162,7 @@ def _actor(cfg: Config) -> dict[str, Any]:
         f"{ACTOR}.optim.clip_grad": t.max_grad_norm,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu,
     }
-    if a.dual_clip is not None:
-        o[f"{ACTOR}.clip_ratio_c"] = a.dual_clip
+    o[f"{ACTOR}.clip_ratio_c"] = a.dual_clip if a.dual_clip is not None else NO_DUAL_CLIP
     if a.kl.coef > 0 and not a.kl.in_reward:
         o.update({f"{ACTOR}.kl_loss_coef": a.kl.coef, f"{ACTOR}.kl_loss_type": a.kl.estimator})
     return o
