@@ -3,7 +3,9 @@
 import streamlit as st
 
 import analysis
+from analysis import charts as C
 from dashboard import common
+from stppo import tracking as T
 
 st.header("Overview")
 study, runs, _, kept = common.page_runs("overview")
@@ -30,5 +32,6 @@ st.dataframe(kept[columns], hide_index=True, width="stretch",
 
 st.subheader("Success by preset")
 metrics = study.metrics[study.metrics["run_id"].isin(list(kept["run_id"]))]
-left, _ = st.columns([3, 2])
-left.pyplot(analysis.fig_success_by_preset(metrics))
+key = T.VAL_SUCCESS_RATE if (metrics["metric"] == T.VAL_SUCCESS_RATE).any() else T.SUCCESS_RATE
+common.chart(C.band_charts(metrics, [key]), f"No {key} logged yet.")
+st.caption(f"{key}: mean and 95% band across seeds (hover for the number of seeds).")
