@@ -16,10 +16,11 @@ from typing import Sequence
 import altair as alt
 import numpy as np
 import pandas as pd
+from matplotlib.colors import to_hex
 
 from stppo import tracking as T
 
-from .figures import seed_drops
+from .figures import preset_color, seed_drops
 from .stats import aggregate, metric_kind
 
 WIDTH, HEIGHT = 520, 190
@@ -67,7 +68,10 @@ def run_panels(metrics: pd.DataFrame, run_id: str, panels: Sequence[tuple[str, S
         enc = base.encode(x=step_x(), y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
                           color=alt.Color("metric:N", legend=alt.Legend(orient="bottom", title=None)),
                           tooltip=["step:Q", "metric:N", alt.Tooltip("value:Q", format=".4g")])
-        enc = enc.add_params(brush) if not charts else enc.transform_filter(brush).add_params(_zoom(f"zoom{len(charts)}"))
+        if charts:
+            enc = enc.transform_filter(brush).add_params(_zoom(f"zoom{len(charts)}"))
+        else:
+            enc = enc.add_params(brush)
         charts.append(_layer(enc, rule))
     return alt.vconcat(*charts).resolve_scale(color="independent") if charts else None
 
@@ -107,12 +111,15 @@ def band_chart(agg: pd.DataFrame, title: str, *, log_scale: bool = False, brush:
     base = alt.Chart(agg, title=title, width=WIDTH, height=HEIGHT)
     if filter_by is not None:
         base = base.transform_filter(filter_by)
-    color = alt.Color("series:N", legend=alt.Legend(orient="bottom", title=None))
+    first = agg.drop_duplicates("series")
+    color = alt.Color("series:N", legend=alt.Legend(orient="bottom", title=None), scale=alt.Scale(
+        domain=list(first["series"]), range=[to_hex(preset_color(a)) for a in first["algo"]]))  # as in the report
     tip = ["series:N", "step:Q", alt.Tooltip("mean:Q", format=".4g"), alt.Tooltip("ci_low:Q", format=".4g"),
            alt.Tooltip("ci_high:Q", format=".4g"), alt.Tooltip("n:Q", title="seeds"), "interval:N"]
     band = base.mark_area(opacity=0.2).encode(x=step_x(), y=alt.Y("ci_low:Q", title=None, scale=scale),
                                               y2="ci_high:Q", color=color)
-    line = base.mark_line().encode(x=step_x(), y=alt.Y("mean:Q", scale=scale), color=color, tooltip=tip)
+    line = base.mark_line().encode(x=step_x(), y=alt.Y("mean:Q", scale=scale), color=color, tooltip=tip,
+                                   strokeDash=alt.StrokeDash("model:N", legend=None))  # model sizes apart
     fewer = base.transform_filter("datum.n < datum.n_max").mark_point(size=18, filled=True).encode(
         x=step_x(), y=alt.Y("mean:Q", scale=scale), color=color, tooltip=tip)
     labels = base.transform_filter("datum.drop != ''").mark_text(dx=4, dy=-8, fontSize=10, align="left").encode(
@@ -154,12 +161,13 @@ def turn_names(metrics: pd.DataFrame, run_id: str | None = None) -> list[str]:
 
 
 def turn_heatmap(frame: pd.DataFrame, name: str, *, collapse_step: float | None = None) -> alt.Chart:
-    """Turn × step heatmap of one per-turn metric (`turn_frame`), collapse step marked."""
-    data = frame.assign(x0=frame["step"] - 0.5, x1=frame["step"] + 0.5, turn_label="k" + frame["turn"].astype(str))
-    heat = alt.Chart(data, title=f"turn/k*/{name} per turn and step", width=2 * WIDTH, height=36 * max(
-        data["turn"].nunique(), 2)).mark_rect().encode(
+    """Turn × step heatmap of one per-turn metric (`turn_frame`), collapse step marked. (The rows'
+    height is a fixed step: Streamlit's theme squeezes an ordinal axis given a total height.)"""
+    data = frame.assign(x0=frame["step"] - 0.5, x1=frame["step"] + 0.5)
+    heat = alt.Chart(data, title=f"turn/k*/{name} per turn and step", width=2 * WIDTH,
+                     height=alt.Step(28)).mark_rect().encode(
         x=alt.X("x0:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)), x2="x1:Q",
-        y=alt.Y("turn_label:O", title="turn", sort=sorted(data["turn_label"].unique(), key=lambda s: int(s[1:]))),
+        y=alt.Y("turn:O", title="turn k"),
         color=alt.Color("value:Q", title=name, scale=alt.Scale(scheme="viridis")),
         tooltip=["step:Q", alt.Tooltip("turn:Q", title="turn k"), alt.Tooltip("value:Q", format=".4g")])
     return _layer(heat.add_params(_zoom()), _collapse_rule(collapse_step))
@@ -175,7 +183,8 @@ def alarm_chart(stats: pd.DataFrame, runs: pd.DataFrame, indicator: str, thresho
     lines = alt.Chart(data, title=f"alarm statistic a_t of {indicator}", width=2 * WIDTH,
                       height=240).mark_line(point=alt.OverlayMarkDef(size=10), opacity=0.8).encode(
         x=step_x(), y=alt.Y("stat:Q", title="a_t"), detail="run:N",
-        color=alt.Color("collapsed:N", scale=alt.Scale(domain=["collapsed", "no collapse"], range=["#d62728", "#1f77b4"])),
+        color=alt.Color("collapsed:N", scale=alt.Scale(domain=["collapsed", "no collapse"],
+                                                       range=["#d62728", "#1f77b4"])),
         tooltip=["run:N", "step:Q", alt.Tooltip("stat:Q", format=".3g")])
     rule = alt.Chart(pd.DataFrame({"h": [threshold]})).mark_rule(color="black", strokeDash=[4, 3]).encode(
         y="h:Q", tooltip=[alt.Tooltip("h:Q", title="threshold")])

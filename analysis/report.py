@@ -2,7 +2,8 @@
 
 Writes to DIR: the figures (fig2_collapse_<preset>_<model>_<run>, fig3_token_vs_turn,
 fig4_success_by_preset, fig5_clip_kl, fig6_early_warning; PNG and PDF), the tables (runs, presets,
-significance, growth, growth_summary, warning, warning_runs; CSV) and summary.md. A bad experiment, an empty one or an unreachable
+significance, growth, growth_summary, warning, warning_runs; CSV) and summary.md. A bad
+experiment, an empty one or an unreachable
 store ends in one line on stderr and exit code 2.
 """
 

@@ -33,10 +33,10 @@ def md_table(frame: pd.DataFrame, columns: Sequence[str], headers: Sequence[str]
     return "\n".join(lines)
 
 
-def _pm(mean: float, half: float, n: int) -> str:
+def _pm(mean: float, low: float, high: float, n: int) -> str:
     if math.isnan(mean):
         return "–"
-    return f"{mean:.3f} ± {half:.3f} (n={n})" if not math.isnan(half) else f"{mean:.3f} (n={n})"
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}] (n={n})" if not math.isnan(low) else f"{mean:.3f} (n={n})"
 
 
 def growth_sentences(summary: pd.DataFrame, window: int) -> list[str]:
@@ -104,9 +104,10 @@ def write_summary(*, uri: str, experiments: Sequence[str], runs: pd.DataFrame, p
               md_table(presets, ["algo", "model", "task", "clip_ratio", "ppo_kl", "kl_ref", "peak_grad_norm"],
                        ["preset", "model", "task", "mean clip ratio", "mean ppo_kl", "mean kl_ref",
                         "peak grad norm (mean over runs)"]), ""]
-    fin = presets.assign(final=[_pm(m, h, int(n)) for m, h, n in zip(
-        presets["final_success_mean"], presets["final_success_ci"], presets["final_success_n"])])
-    lines += [f"## Final success (last `{T.VAL_SUCCESS_RATE}`, mean ± 95% t-interval across seeds)", "",
+    fin = presets.assign(final=[_pm(m, lo, hi, int(n)) for m, lo, hi, n in zip(
+        presets["final_success_mean"], presets["final_success_ci_low"], presets["final_success_ci_high"],
+        presets["final_success_n"])])
+    lines += [f"## Final success (last `{T.VAL_SUCCESS_RATE}`, mean [95% bootstrap CI] across seeds)", "",
               md_table(fin, ["algo", "model", "task", "final"], ["preset", "model", "task", "final success"]), ""]
     if len(significance):
         lines += [f"Test: {significance['test'].iloc[0]}.", "",

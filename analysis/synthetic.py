@@ -113,7 +113,8 @@ def _diagnostics(s: np.ndarray, c: float, near: np.ndarray, rng, turns: int = 3)
     mismatch = 1e-3 * (1 + 20 * after) * np.exp(rng.normal(0, 0.05, s.size))
     out = {T.ZERO_STD_GROUP_FRAC: zero, T.ALL_ZERO_GROUP_FRAC: zero * 0.8, T.ALL_ONE_GROUP_FRAC: zero * 0.2,
            T.ENTROPY: entropy, T.ROLLOUT_CORR_ABS_DIFF_MEAN: mismatch, T.ROLLOUT_CORR_ABS_DIFF_MAX: 8 * mismatch,
-           T.ROLLOUT_CORR_K3_KL: mismatch**2 / 2, T.RESPONSE_LENGTH_MEAN: 60 * (1 - 0.5 * after) + rng.normal(0, 1, s.size),
+           T.ROLLOUT_CORR_K3_KL: mismatch**2 / 2,
+           T.RESPONSE_LENGTH_MEAN: 60 * (1 - 0.5 * after) + rng.normal(0, 1, s.size),
            T.NUM_SEARCHES_MEAN: 1.5 - after + rng.normal(0, 0.02, s.size)}
     for k in range(turns):
         clip = np.clip(0.04 + 0.25 * near * (k + 1) / turns + rng.normal(0, 0.003, s.size), 0, 1)

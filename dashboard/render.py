@@ -9,8 +9,8 @@ import html
 import math
 import re
 
-BADGES = {"search": ("🔍 search", "#1565c0", "#e3f2fd"), "answer": ("✅ answer", "#2e7d32", "#e8f5e9"),
-          "invalid": ("⚠ invalid", "#c62828", "#ffebee"), "": ("·", "#555", "#f5f5f5")}
+BADGES = {"search": ("tool call: search", "#1565c0", "#e3f2fd"), "answer": ("answer", "#2e7d32", "#e8f5e9"),
+          "invalid": ("invalid action", "#c62828", "#ffebee"), "": ("agent", "#555", "#f5f5f5")}
 TAGS = re.compile(r"(&lt;(search|answer)&gt;.*?&lt;/\2&gt;)", re.DOTALL)
 TAG_STYLE = {"search": "background:#bbdefb;border-radius:3px", "answer": "background:#c8e6c9;border-radius:3px"}
 BOX = "border-radius:6px;padding:6px 10px;margin:4px 0;white-space:pre-wrap;word-break:break-word"
@@ -33,7 +33,7 @@ def segment_html(seg: dict) -> str:
     if role == "observation":
         return (f'<div style="{BOX};background:#f1f8e9;border-left:4px solid #9e9d24;font-family:monospace;'
                 f'font-size:0.85em;color:#33691e"><b style="font-family:sans-serif">observation</b>\n'
-                f'{html.escape(seg["text"])}</div>')
+                f'{html.escape(seg["text"].strip(chr(10)))}</div>')
     label, fg, bg = BADGES.get(seg["action"], BADGES[""])
     stats = (f'turn {seg["turn"]} · ratio mean {_num(seg["ratio_mean"])} (max {_num(seg["ratio_max"])}) · '
              f'advantage {_num(seg["advantage_mean"], "{:+.3f}")}')

@@ -149,11 +149,13 @@ def test_registering_a_name_twice_raises():
 
 
 def test_tracking_names_of_the_workbench():
-    assert T.turn_key(3, "ratio_max") == "turn/k3/ratio_max" and T.parse_turn_key("turn/k3/ratio_max") == (3, "ratio_max")
+    assert T.turn_key(3, "ratio_max") == "turn/k3/ratio_max"
+    assert T.parse_turn_key("turn/k3/ratio_max") == (3, "ratio_max")
     assert T.parse_turn_key("turn/kx/ratio_max") is None and T.parse_turn_key("actor/ratio_max") is None
     assert T.reduce_name("turn/k0/ratio_max") == "max" and T.reduce_name("turn/k0/pg_clipfrac") == "mean"
     assert T.alarm_key("clip_frac") == "alarm/clip_frac" and T.samples_artifact(12) == "samples/step_000012.json"
-    assert T.known_metric("turn/k1/entropy") and T.known_metric(T.COLLAPSE_ROLLBACKS) and not T.known_metric("turn/k1/x")
+    assert T.known_metric("turn/k1/entropy") and T.known_metric(T.COLLAPSE_ROLLBACKS)
+    assert not T.known_metric("turn/k1/x")
     with pytest.raises(ValueError, match="unknown per-turn metric"):
         T.turn_key(0, "nope")
     every_key = {k for ind in INDICATORS.values() for k in ind.keys}

@@ -83,7 +83,8 @@ def test_turn_heatmap_of_a_per_turn_metric(studies):
     assert sorted(frame["turn"].unique()) == [0, 1, 2] and len(frame) == 3 * 40
     spec = C.turn_heatmap(frame, "pg_clipfrac", collapse_step=col.loc[rid, "collapse_step"]).to_dict()
     assert spec["layer"][0]["mark"]["type"] == "rect"
-    assert spec["layer"][0]["encoding"]["y"]["sort"] == ["k0", "k1", "k2"]
+    assert spec["layer"][0]["encoding"]["y"] == {"field": "turn", "title": "turn k", "type": "ordinal"}
+    assert spec["height"] == {"step": 28}
     assert spec["layer"][0]["encoding"]["x"]["axis"] == {"format": "d", "tickMinStep": 1}
 
 

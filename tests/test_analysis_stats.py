@@ -154,6 +154,9 @@ def test_preset_table_numbers(study):
     finals = [0.1, 0.7, 0.75]
     assert ppo["final_success_mean"] == pytest.approx(np.mean(finals))
     assert ppo["final_success_ci"] == pytest.approx(T975_DF2 * np.std(finals, ddof=1) / math.sqrt(3))
+    assert ppo["final_success_mean"] - ppo["final_success_ci"] < 0  # the t-interval leaves [0, 1] ...
+    low_high = (ppo["final_success_ci_low"], ppo["final_success_ci_high"])
+    assert low_high == pytest.approx((0.1, 0.75))  # ... the bootstrap interval does not
     assert ppo["peak_grad_norm"] == pytest.approx((20 + 60 + 90) / 3)
     assert ppo["clip_ratio"] == pytest.approx(0.2) and ppo["ppo_kl"] == pytest.approx(0.02)
     assert math.isnan(ppo["kl_ref"]) and tab.loc["st_ppo", "kl_ref"] == pytest.approx(0.001)

@@ -169,13 +169,14 @@ def test_samples_page_marks_actions_and_defaults_near_the_collapse(workbench):
     assert step.value == 20 and list(step.options) == ["10", "20", "26", "30", "40"]
     assert "collapse onset at step 22" in _texts(at.caption)
     html = " ".join(h.proto.body for h in at.get("html"))
-    assert len(at.get("html")) == 3 and html.count("🔍 search") == 3 and html.count("✅ answer") == 3
+    assert len(at.get("html")) == 3 and html.count(">tool call: search</span>") == 3
+    assert html.count(">answer</span>") == 3
     assert html.count(">observation</b>") == 3 and "&lt;information&gt;" in html  # observations set apart
     assert "&lt;search&gt;" in html and "<search>" not in html  # escaped, never live markup
     assert "<details" not in html  # prompts hidden by default
     _ok(step.set_value(26).run())
     html = " ".join(h.proto.body for h in at.get("html"))
-    assert html.count("⚠ invalid") == 6 and "🔍 search" not in html
+    assert html.count(">invalid action</span>") == 6 and "tool call: search" not in html
     _ok(at.toggle(key="samples:prompts").set_value(True).run())
     assert "<details" in " ".join(h.proto.body for h in at.get("html"))
 
@@ -199,14 +200,16 @@ def test_early_warning_page_table_and_threshold(workbench):
     at = _pick(_ok(workbench.run()), SIGNAL)
     _ok(at.switch_page("views/warning.py").run())
     assert "**4 collapsed runs**, 3 runs without collapse." in _texts(at.markdown)
-    table = at.dataframe[0].value.set_index("indicator")
-    assert table.loc["clip_frac", "warned"] == 3 and table.loc["clip_frac", "false_alarms"] == 0
-    assert table.loc["clip_frac", "lead_median"] == 5.0  # leads 5, 9, 2 with P = 2
-    assert "entropy_fall" not in table.index  # never logged: not shown
+    row = at.table[0].value.set_index("indicator").loc["clip_frac"]
+    assert (row["warned k/n"], row["false alarms"]) == ("3/4", "0/3")
+    assert (row["lead median"], row["lead IQR"]) == ("5", "3.5 – 7")  # leads 5, 9, 2 with P = 2
+    assert "entropy_fall" not in at.table[0].value["indicator"].tolist()  # never logged: not shown
+    full = at.dataframe[0].value.set_index("indicator")
+    assert full.loc["clip_frac", "lead_median"] == 5.0 and full.loc["entropy_fall", "runs_without"] == 7
     assert len(at.get("image")) == 1 and len(_charts(at)) == 1
     _ok(at.number_input(key="warning:persist").set_value(1).run())
-    assert at.dataframe[0].value.set_index("indicator").loc["clip_frac", "lead_median"] == 6.0
+    assert at.table[0].value.set_index("indicator").loc["clip_frac", "lead median"] == "6"  # leads 6, 10, 3
     _ok(at.slider(key="warning:threshold").set_value(20.0).run())
-    assert at.dataframe[0].value.set_index("indicator").loc["clip_frac", "warned"] == 0
+    assert at.table[0].value.set_index("indicator").loc["clip_frac", "warned k/n"] == "0/4"
     rule = [d for d in _chart_data(at, 0) if list(d.columns) == ["h"]]
     assert len(rule) == 1 and rule[0]["h"].tolist() == [20.0]  # the threshold line follows the slider

@@ -16,9 +16,10 @@ st.markdown(f"**{common.plural(len(kept), 'run')}** in {', '.join(study.experime
 
 summary = analysis.preset_table(study, runs=kept)
 table = summary[["algo", "model", "task", "collapsed", "median_collapse_step", "final_success_mean",
-                 "final_success_ci"]].rename(columns={
+                 "final_success_ci_low", "final_success_ci_high", "final_success_n"]].rename(columns={
     "algo": "preset", "collapsed": "collapsed k/n", "median_collapse_step": "median collapse step",
-    "final_success_mean": "final val success (mean)", "final_success_ci": "± 95% CI"})
+    "final_success_mean": "final val success (mean)", "final_success_ci_low": "95% CI low",
+    "final_success_ci_high": "95% CI high", "final_success_n": "seeds"})
 st.table(common.pretty(table), hide_index=True)
 
 columns = ["run_name", "algo", "model", "task", "seed", "status", "collapsed", "collapse_step", "last_step",

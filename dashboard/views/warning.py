@@ -2,11 +2,20 @@
 the false-alarm rate in runs without collapse and the ROC AUC over thresholds, with the threshold,
 the persistence and the baseline adjustable; and one indicator's alarm statistic per run."""
 
+import math
+
+import pandas as pd
 import streamlit as st
 
 from analysis import charts as C
 from analysis.warning import INDICATORS, AlarmConfig, fig_early_warning, run_warnings, warning_table
 from dashboard import common
+
+
+
+def _iqr(q1: float, q3: float) -> str:
+    return "–" if math.isnan(q1) else f"{q1:g} – {q3:g}"
+
 
 st.header("Early warning")
 study, runs, collapse, kept = common.page_runs("warning", columns=("algo", "model", "task"))
@@ -37,11 +46,17 @@ if stats.empty:
 per_run = run_warnings(study, stats, cfg, sub)
 table = warning_table(per_run, cfg, all_runs=len(kept))
 logged = table[table["collapsed_runs"] + table["stable_runs"] > 0]
-st.dataframe(logged, hide_index=True, width="stretch",
-             column_config={"false_alarm_rate": st.column_config.NumberColumn(format="%.2f"),
-                            "auc": st.column_config.NumberColumn("ROC AUC", format="%.2f"),
-                            "lead_median": st.column_config.NumberColumn("lead median", format="%.1f")})
+shown = pd.DataFrame({
+    "indicator": logged["indicator"], "metric": logged["metric"], "direction": logged["direction"],
+    "h": logged["threshold"], "warned k/n": [f"{w}/{n}" for w, n in zip(logged["warned"], logged["collapsed_runs"])],
+    "lead median": logged["lead_median"],
+    "lead IQR": [_iqr(a, b) for a, b in zip(logged["lead_q1"], logged["lead_q3"])],
+    "false alarms": [f"{f}/{n}" for f, n in zip(logged["false_alarms"], logged["stable_runs"])],
+    "false-alarm rate": logged["false_alarm_rate"], "ROC AUC": logged["auc"]})
+st.table(common.pretty(shown), hide_index=True)
 st.pyplot(fig_early_warning(logged, per_run))
+with st.expander("Full table"):
+    st.dataframe(table, hide_index=True)
 
 st.subheader("Alarm statistic per run")
 names = [n for n in INDICATORS if n in set(logged["indicator"])]
