@@ -73,7 +73,8 @@ def write_report(study: Study, out: Path, *, window: int = 20, smoothing: float 
     figures += _save(fig_token_vs_turn(study.metrics, log_scale=log_scale, **kw), out, "fig3_token_vs_turn")
     figures += _save(fig_success_by_preset(study.metrics, **kw), out, "fig4_success_by_preset")
     figures += _save(fig_clip_kl(study.metrics, log_scale=log_scale, **kw), out, "fig5_clip_kl")
-    figures += _save(fig_early_warning(warning, warning_runs), out, "fig6_early_warning")
+    logged = warning[warning["collapsed_runs"] + warning["stable_runs"] > 0]  # indicators some run logged
+    figures += _save(fig_early_warning(logged, warning_runs), out, "fig6_early_warning")
     text = write_summary(uri=study.uri, experiments=study.experiments, runs=runs, presets=presets,
                          significance=sig, growth_summary=gsum, window=window, figures=figures, skipped=notes,
                          warning=warning, alarm=alarm)

@@ -94,7 +94,9 @@ def run_warnings(study: Study, stats: pd.DataFrame, cfg: AlarmConfig | None = No
                      "onset": onset, "last_step": float(r["last_step"]), "score": score, "first_alarm": first,
                      "warned": warned, "lead": onset - first if warned else np.nan,
                      "false_alarm": (not r["collapsed"]) and len(hits) > 0})
-    return pd.DataFrame(rows, columns=list(RUN_COLUMNS))
+    types = {"collapsed": bool, "warned": bool, "false_alarm": bool, "onset": float, "last_step": float,
+             "score": float, "first_alarm": float, "lead": float}
+    return pd.DataFrame(rows, columns=list(RUN_COLUMNS)).astype(types)
 
 
 def roc_auc(positive: Sequence[float], negative: Sequence[float]) -> float:
@@ -164,7 +166,10 @@ def fig_early_warning(table: pd.DataFrame, runs: pd.DataFrame) -> Figure:
     labels = [f"{r.indicator}\nwarned {r.warned}/{r.collapsed_runs} · false {r.false_alarms}/{r.stable_runs}"
               for r in table.itertuples()]
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.set_ylim(max(len(labels), 1) - 0.5, -0.5)
+    if not labels:
+        ax.text(0.5, 0.5, "no run logged any indicator", ha="center", va="center", fontsize=9, color="0.4",
+                transform=ax.transAxes)
     ax.set_xlabel("lead time: collapse onset − first alarm (steps)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("lead time per indicator (dots: runs · red: median · band: IQR)", fontsize=10)

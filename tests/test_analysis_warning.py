@@ -13,7 +13,9 @@ from test_analysis_fixtures import DEMO, SIGNAL, SIGNAL_RUNS, workbench_uri  # n
 
 from analysis import collapse_table, load_study
 from analysis.report import main
-from analysis.warning import early_warning, fig_early_warning, roc_auc, roc_curve, run_statistics
+from analysis.collapse import COLLAPSE_COLUMNS
+from analysis.warning import (STAT_COLUMNS, early_warning, fig_early_warning, roc_auc, roc_curve, run_statistics,
+                              run_warnings, warning_table)
 from stppo import tracking as T
 from stppo.alarms import AlarmConfig
 
@@ -123,3 +125,13 @@ def test_report_alarm_options_are_validated_in_one_line(workbench_uri, tmp_path,
                  "--alarm-baseline", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "alarm.baseline_steps must be >= 3" in err[0]
+
+
+def test_no_logged_indicator_is_an_empty_table_not_an_error(tmp_path):
+    stats = pd.DataFrame({c: pd.Series(dtype="float64" if c == "stat" else "object") for c in STAT_COLUMNS})
+    runs = run_warnings(None, stats, collapse=pd.DataFrame(columns=list(COLLAPSE_COLUMNS)))
+    table = warning_table(runs, all_runs=3)
+    assert runs.empty and (table["runs_without"] == 3).all() and table["auc"].isna().all()
+    fig = fig_early_warning(table.iloc[:0], runs)
+    assert "no run logged any indicator" in [t.get_text() for t in fig.axes[0].texts]
+    fig.savefig(tmp_path / "empty.png")
