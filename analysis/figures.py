@@ -6,7 +6,9 @@ are plain `matplotlib.figure.Figure` (thread-safe in a server, never leaked, nev
 * `fig_token_vs_turn` — success, grad norm, pg-loss norm, clipping-bias norm per preset (Fig. 3);
 * `fig_success_by_preset` — validation success per preset, one panel per model size (Fig. 4);
 * `fig_clip_kl` — clip ratio and KL per preset (Fig. 5).
-Curves across seeds are the mean with a t-interval band (`stats.aggregate`). A metric a run did not
+Curves across seeds are the mean with a 95% band that stays in the quantity's range (`stats.aggregate`:
+bootstrap for rates and non-negative quantities, t otherwise); where seeds drop out the points are
+marked and the new count is written ("n=2"). Step axes have integer ticks. A metric a run did not
 log gets a panel with a note, never an exception.
 """
 
@@ -18,6 +20,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from stppo import tracking as T
 
@@ -48,6 +51,11 @@ def _grid(n: int, ncols: int, width: float = 5.2, height: float = 3.0) -> tuple[
     fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(n)]
     return fig, axes
+
+
+def int_steps(ax) -> None:
+    """Integer ticks on a step axis."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _one(metrics: pd.DataFrame, run_id: str, metric: str) -> pd.DataFrame:
@@ -84,6 +92,7 @@ def fig_collapse_diagnosis(metrics: pd.DataFrame, run_id: str, *, collapse_step:
             ax.axvline(collapse_step, color="red", ls="--", lw=1.2, label=f"collapse (step {int(collapse_step)})")
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step")
+        int_steps(ax)
         ax.legend(fontsize=7, loc="best")
         ax.grid(alpha=0.3)
     fig.suptitle(title or f"collapse diagnosis — run {run_id}", fontsize=11)
@@ -106,7 +115,8 @@ def _label(row: pd.Series, multi_model: bool, multi_task: bool) -> str:
 
 def _band_panel(ax, metrics: pd.DataFrame, metric: str, *, smoothing: float, log_scale: bool,
                 title: str | None = None) -> None:
-    """Mean ± t-interval across seeds of `metric`, one line per (algo, model, task)."""
+    """Mean and 95% band across seeds of `metric`, one line per (algo, model, task); seed counts
+    written where they drop."""
     agg = aggregate(metrics, metric, smoothing=smoothing)
     ax.set_title(title or metric, fontsize=10)
     if agg.empty:
@@ -120,11 +130,30 @@ def _band_panel(ax, metrics: pd.DataFrame, metric: str, *, smoothing: float, log
         ax.plot(grp["step"], grp["mean"], color=color, ls=ls, lw=1.4,
                 label=f"{_label(row, multi_model, multi_task)} (n={int(grp['n'].max())})")
         ax.fill_between(grp["step"], grp["ci_low"], grp["ci_high"], color=color, alpha=0.18, lw=0)
+        _seed_counts(ax, grp, color)
     if log_scale and (agg["mean"] > 0).any():
         ax.set_yscale("log")
     ax.set_xlabel("step")
+    int_steps(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
+
+
+def seed_drops(grp: pd.DataFrame) -> pd.DataFrame:
+    """Rows of one curve of `aggregate` where the number of seeds changes to below its maximum."""
+    n = grp["n"].to_numpy()
+    changed = np.r_[False, n[1:] != n[:-1]]
+    return grp[changed & (n < n.max())]
+
+
+def _seed_counts(ax, grp: pd.DataFrame, color) -> None:
+    fewer = grp[grp["n"] < grp["n"].max()]
+    if fewer.empty:
+        return
+    ax.plot(fewer["step"], fewer["mean"], ls="none", marker=".", ms=3, color=color)
+    for _, r in seed_drops(grp).iterrows():
+        ax.annotate(f"n={int(r['n'])}", (r["step"], r["mean"]), xytext=(2, 4), textcoords="offset points",
+                    fontsize=6, color=color)
 
 
 def _band_figure(metrics: pd.DataFrame, keys: Sequence[str], *, presets, models, smoothing: float,
@@ -141,10 +170,10 @@ def fig_token_vs_turn(metrics: pd.DataFrame, *, presets: Sequence[str] | None = 
                       models: Sequence[str] | None = None, smoothing: float = 0.0, log_scale: bool = False,
                       keys: Sequence[str] = FIG3_METRICS) -> Figure:
     """Fig. 3: token- vs turn-level presets — success, grad norm, pg-loss norm, clipping-bias norm;
-    mean ± 95% t-interval across seeds; `log_scale` puts the non-success panels on a log axis."""
+    mean and 95% CI across seeds; `log_scale` puts the non-success panels on a log axis."""
     log_keys = [k for k in keys if log_scale and "success" not in k]
     return _band_figure(metrics, keys, presets=presets, models=models, smoothing=smoothing, log_keys=log_keys,
-                        title="token vs turn level (mean ± 95% CI across seeds)")
+                        title="token vs turn level (mean and 95% CI across seeds)")
 
 
 def fig_success_by_preset(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
@@ -158,7 +187,7 @@ def fig_success_by_preset(metrics: pd.DataFrame, *, presets: Sequence[str] | Non
         _band_panel(ax, sub[sub["model"] == model], key, smoothing=smoothing, log_scale=False,
                     title=f"{key} — model {model}")
         ax.set_ylim(-0.02, 1.02)
-    fig.suptitle("success by preset across seeds (mean ± 95% CI)", fontsize=11)
+    fig.suptitle("success by preset across seeds (mean and 95% CI)", fontsize=11)
     return fig
 
 
@@ -167,4 +196,4 @@ def fig_clip_kl(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
     """Fig. 5: clip ratio (`actor/pg_clipfrac`) and KL (`actor/ppo_kl`, `actor/kl_ref`) per preset."""
     keys = [k for k in FIG5_METRICS if k != T.KL_REF or (metrics["metric"] == T.KL_REF).any()]
     return _band_figure(metrics, keys, presets=presets, models=models, smoothing=smoothing,
-                        log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean ± 95% CI)")
+                        log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean and 95% CI)")

@@ -1,8 +1,9 @@
 """`python -m analysis.report --experiment NAME [--experiment NAME2] --out DIR [--tracking-uri URI]`
 
 Writes to DIR: the figures (fig2_collapse_<preset>_<model>_<run>, fig3_token_vs_turn,
-fig4_success_by_preset, fig5_clip_kl; PNG and PDF), the tables (runs, presets, significance,
-growth, growth_summary; CSV) and summary.md. A bad experiment, an empty one or an unreachable
+fig4_success_by_preset, fig5_clip_kl, fig6_early_warning; PNG and PDF), the tables (runs, presets,
+significance, growth, growth_summary, warning, warning_runs; CSV) and summary.md. A bad
+experiment, an empty one or an unreachable
 store ends in one line on stderr and exit code 2.
 """
 
@@ -17,6 +18,7 @@ from typing import Sequence
 import pandas as pd
 
 from stppo import tracking as T
+from stppo.alarms import AlarmConfig
 
 from .collapse import collapse_table
 from .figures import fig_clip_kl, fig_collapse_diagnosis, fig_success_by_preset, fig_token_vs_turn
@@ -24,6 +26,7 @@ from .load import Study, load_study
 from .store import AnalysisError
 from .summary import write_summary
 from .tables import growth_summary, growth_table, per_run_table, preset_table, significance_table
+from .warning import early_warning, fig_early_warning
 
 
 def default_tracking_uri() -> str:
@@ -45,7 +48,7 @@ def diagnosis_runs(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_report(study: Study, out: Path, *, window: int = 20, smoothing: float = 0.0, log_scale: bool = False,
-                 n_boot: int = 10_000, control: str = "last") -> dict[str, Path]:
+                 n_boot: int = 10_000, control: str = "last", alarm: AlarmConfig | None = None) -> dict[str, Path]:
     """Compute every table and figure of `study` into `out`; returns {name: path}."""
     out.mkdir(parents=True, exist_ok=True)
     collapse = collapse_table(study)
@@ -54,7 +57,10 @@ def write_report(study: Study, out: Path, *, window: int = 20, smoothing: float 
     sig = significance_table(study, runs=runs, n_boot=n_boot)
     growth = growth_table(study, window=window, control=control, collapse=collapse)
     gsum = growth_summary(growth)
-    tables = {"runs": runs, "presets": presets, "significance": sig, "growth": growth, "growth_summary": gsum}
+    alarm = alarm or AlarmConfig()
+    warning, warning_runs = early_warning(study, alarm, collapse=collapse)
+    tables = {"runs": runs, "presets": presets, "significance": sig, "growth": growth, "growth_summary": gsum,
+              "warning": warning, "warning_runs": warning_runs}
     for name, frame in tables.items():
         frame.to_csv(out / f"{name}.csv", index=False)
     figures: list[str] = []
@@ -67,8 +73,11 @@ def write_report(study: Study, out: Path, *, window: int = 20, smoothing: float 
     figures += _save(fig_token_vs_turn(study.metrics, log_scale=log_scale, **kw), out, "fig3_token_vs_turn")
     figures += _save(fig_success_by_preset(study.metrics, **kw), out, "fig4_success_by_preset")
     figures += _save(fig_clip_kl(study.metrics, log_scale=log_scale, **kw), out, "fig5_clip_kl")
+    logged = warning[warning["collapsed_runs"] + warning["stable_runs"] > 0]  # indicators some run logged
+    figures += _save(fig_early_warning(logged, warning_runs), out, "fig6_early_warning")
     text = write_summary(uri=study.uri, experiments=study.experiments, runs=runs, presets=presets,
-                         significance=sig, growth_summary=gsum, window=window, figures=figures, skipped=notes)
+                         significance=sig, growth_summary=gsum, window=window, figures=figures, skipped=notes,
+                         warning=warning, alarm=alarm)
     (out / "summary.md").write_text(text)
     paths = {name: out / f"{name}.csv" for name in tables}
     paths |= {f: out / f for f in figures}
@@ -96,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-scale", action="store_true", help="log y axis for norms, clip ratio and KL")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     p.add_argument("--no-cache", action="store_true", help="read every run from the store")
+    p.add_argument("--alarm-threshold", type=float, default=AlarmConfig.threshold,
+                   help=f"early-warning threshold h, robust z (default {AlarmConfig.threshold:g})")
+    p.add_argument("--alarm-persist", type=int, default=AlarmConfig.persist,
+                   help=f"consecutive values at or beyond h (default {AlarmConfig.persist})")
+    p.add_argument("--alarm-baseline", type=int, default=AlarmConfig.baseline_steps,
+                   help=f"first values that form each indicator's baseline (default {AlarmConfig.baseline_steps})")
     return p.parse_args(argv)
 
 
@@ -106,9 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise AnalysisError(f"--smoothing must be in [0, 1), got {args.smoothing}")
         if args.window < 3:
             raise AnalysisError(f"--window must be >= 3 steps, got {args.window}")
+        try:
+            alarm = AlarmConfig(threshold=args.alarm_threshold, persist=args.alarm_persist,
+                                baseline_steps=args.alarm_baseline)
+        except ValueError as e:
+            raise AnalysisError(str(e)) from None
         study = load_study(args.experiment, args.tracking_uri, use_cache=not args.no_cache)
         paths = write_report(study, args.out, window=args.window, smoothing=args.smoothing,
-                             log_scale=args.log_scale, n_boot=args.bootstrap, control=args.control)
+                             log_scale=args.log_scale, n_boot=args.bootstrap, control=args.control, alarm=alarm)
     except AnalysisError as e:
         print(f"analysis.report: error: {e}", file=sys.stderr)
         return 2

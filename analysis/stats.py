@@ -2,7 +2,11 @@
 bootstrap CI of the difference, and the exponential-growth fit of the clipping-bias norm.
 
 Conventions: a confidence interval is two-sided at `confidence` (default 0.95); with fewer than two
-values its half-width is NaN (no interval, not a zero-width one).
+values its half-width is NaN (no interval, not a zero-width one). A band never leaves the range of
+its quantity (`metric_kind`): rates in [0, 1] (success, clip fractions, ratios of counts) and
+non-negative quantities (norms, entropy, lengths, times) get the percentile bootstrap interval of
+the mean, which lies within the observed values and so within the range; unbounded quantities
+(losses, advantages, k1 KL estimates) keep the Student-t interval.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
+
+from stppo import tracking as T
 
 GROUP: tuple[str, ...] = ("algo", "model", "task")
 WELCH_TEST = "Welch's two-sided t-test (unequal variances, scipy.stats.ttest_ind equal_var=False)"
@@ -43,13 +49,20 @@ def ema(values: Sequence[float], smoothing: float) -> np.ndarray:
 
 
 def aggregate(metrics: pd.DataFrame, metric: str, *, by: Sequence[str] = GROUP, smoothing: float = 0.0,
-              confidence: float = 0.95, forward_fill: bool = False) -> pd.DataFrame:
-    """Mean and t-interval across runs (seeds) of one metric, per (*by, step).
+              confidence: float = 0.95, forward_fill: bool = False, kind: str = "auto", n_boot: int = 2000,
+              seed: int = 0) -> pd.DataFrame:
+    """Mean and confidence interval across runs (seeds) of one metric, per (*by, step).
 
     Each run's curve is EMA-smoothed first (`smoothing`); non-finite values are ignored. Runs that
     stopped early drop out of later steps (`n` says how many runs a step has) unless
-    `forward_fill`, which carries a run's last value to the group's last step.
-    Returns columns (*by, step, mean, half_width, ci_low, ci_high, n)."""
+    `forward_fill`, which carries a run's last value to the group's last step. `kind` ('auto' =
+    `metric_kind(metric)`, or 'rate', 'nonneg', 'real') picks the interval: the percentile
+    bootstrap of the mean (`n_boot` resamples, seeded) for bounded kinds, clipped to the bounds;
+    the t-interval for 'real'. half_width = (ci_high − ci_low) / 2.
+    Returns columns (*by, step, mean, half_width, ci_low, ci_high, n, interval)."""
+    kind = metric_kind(metric) if kind == "auto" else kind
+    if kind not in BOUNDS:
+        raise ValueError(f"kind must be 'auto' or one of {', '.join(BOUNDS)}, got {kind!r}")
     by = list(by)
     cols = ["run_id", *by, "step", "value"]
     df = metrics.loc[metrics["metric"] == metric, cols].copy()
@@ -60,13 +73,88 @@ def aggregate(metrics: pd.DataFrame, metric: str, *, by: Sequence[str] = GROUP, 
         df["value"] = df.groupby("run_id", sort=False)["value"].transform(lambda v: ema(v.to_numpy(), smoothing))
     if forward_fill and not df.empty:
         df = _forward_fill(df, by)
-    g = df.groupby([*by, "step"], sort=True)["value"]
+    keys = [*by, "step"]
+    df = df.sort_values(keys, kind="stable")
+    g = df.groupby(keys, sort=True)["value"]
     out = g.agg(mean="mean", std="std", n="count").reset_index()
-    t = sps.t.ppf((1 + confidence) / 2, np.maximum(out["n"] - 1, 1))
-    half = np.where(out["n"] >= 2, t * out["std"] / np.sqrt(out["n"]), np.nan)
-    out["half_width"] = half
-    out["ci_low"], out["ci_high"] = out["mean"] - half, out["mean"] + half
-    return out[[*by, "step", "mean", "half_width", "ci_low", "ci_high", "n"]]
+    if kind == "real":
+        t = sps.t.ppf((1 + confidence) / 2, np.maximum(out["n"] - 1, 1))
+        half = np.where(out["n"] >= 2, t * out["std"] / np.sqrt(out["n"]), np.nan)
+        out["ci_low"], out["ci_high"] = out["mean"] - half, out["mean"] + half
+        out["interval"] = "t"
+    else:
+        gid = g.ngroup().to_numpy()  # (M,) group of each value, in the order of `out`
+        low, high = _bootstrap_groups(df["value"].to_numpy(np.float64), gid, len(out), confidence, n_boot, seed)
+        lo, hi = BOUNDS[kind]
+        out["ci_low"], out["ci_high"] = np.clip(low, lo, hi), np.clip(high, lo, hi)
+        out["interval"] = "bootstrap"
+    out["half_width"] = (out["ci_high"] - out["ci_low"]) / 2
+    return out[[*keys, "mean", "half_width", "ci_low", "ci_high", "n", "interval"]]
+
+
+def _bootstrap_groups(values: np.ndarray, gid: np.ndarray, groups: int, confidence: float, n_boot: int,
+                      seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap CI of the mean of every group at once; NaN for groups of < 2 values.
+
+    Groups of equal size n share one (n_boot, n) index draw (seeded by (seed, n)), so a group's
+    interval does not depend on which other groups are aggregated with it."""
+    if groups == 0:
+        return np.empty(0), np.empty(0)
+    counts = np.bincount(gid, minlength=groups)  # (G,)
+    pos = np.zeros_like(gid)
+    order = np.argsort(gid, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    pos[order] = np.arange(gid.size) - np.repeat(starts, counts)
+    wide = np.full((groups, max(int(counts.max(initial=0)), 1)), np.nan)  # (G, n_max)
+    wide[gid, pos] = values
+    low, high = np.full(groups, np.nan), np.full(groups, np.nan)
+    alpha = (1 - confidence) / 2
+    for n in np.unique(counts[counts >= 2]):
+        rows = np.flatnonzero(counts == n)
+        idx = np.random.default_rng([seed, int(n)]).integers(0, n, (n_boot, n))  # (B, n)
+        chunk = max(1, 4_000_000 // (n_boot * int(n)))
+        for i in range(0, rows.size, chunk):
+            r = rows[i:i + chunk]
+            means = wide[r, :n][:, idx].mean(axis=-1)  # (g, B)
+            low[r], high[r] = np.quantile(means, [alpha, 1 - alpha], axis=1)
+    return low, high
+
+
+def bootstrap_mean_ci(values: Sequence[float], *, confidence: float = 0.95, n_boot: int = 2000,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of one sample (the interval `aggregate` draws for bounded
+    quantities): resample with replacement, take the (1 ± c)/2 quantiles of the resampled means.
+    It lies within [min, max] of the values; NaNs for fewer than two finite values."""
+    x = _finite(values)
+    if x.size < 2:
+        return float("nan"), float("nan")
+    low, high = _bootstrap_groups(x, np.zeros(x.size, dtype=np.int64), 1, confidence, n_boot, seed)
+    return float(low[0]), float(high[0])
+
+
+BOUNDS: dict[str, tuple[float | None, float | None]] = {"rate": (0.0, 1.0), "nonneg": (0.0, None),
+                                                        "real": (None, None)}
+RATE_KEYS = frozenset({
+    T.SUCCESS_RATE, T.VAL_SUCCESS_RATE, T.VALID_ACTION_RATIO, T.FINISH_RATIO, T.PG_CLIPFRAC, T.PG_CLIPFRAC_HIGH,
+    T.PG_CLIPFRAC_LOW, T.VF_CLIPFRAC, T.RESPONSE_LENGTH_CLIP_RATIO, T.CLIP_BIAS_TRIGGERED, T.COLLAPSE_DETECTED,
+    T.ZERO_STD_GROUP_FRAC, T.ALL_ZERO_GROUP_FRAC, T.ALL_ONE_GROUP_FRAC, T.ROLLOUT_CORR_ESS})
+NONNEG_KEYS = frozenset({
+    T.GRAD_NORM, T.GRAD_NORM_MAX, T.CLIP_BIAS_NORM, T.CLIP_BIAS_NORM_MAX, T.CLIP_BIAS_GRAD_NORM, T.PG_LOSS_NORM,
+    T.CRITIC_GRAD_NORM, T.ENTROPY, T.RATIO_MEAN, T.RATIO_MAX, T.LR, T.VF_LOSS, T.NUM_TURNS_MEAN,
+    T.NUM_SEARCHES_MEAN, T.RESPONSE_LENGTH_MEAN, T.STEP_TIME, T.ROLLOUT_TIME, T.UPDATE_TIME, T.TOKENS_PER_S,
+    T.SKIPPED_STEPS, T.COLLAPSE_ROLLBACKS, T.ROLLOUT_CORR_K3_KL, T.ROLLOUT_CORR_IS_MEAN,
+    T.ROLLOUT_CORR_ABS_DIFF_MAX, T.ROLLOUT_CORR_ABS_DIFF_MEAN})
+TURN_KINDS = {"pg_clipfrac": "rate", "ratio_mean": "nonneg", "ratio_max": "nonneg", "entropy": "nonneg",
+              "tokens": "nonneg", "adv_mean": "real", "ppo_kl": "real"}
+
+
+def metric_kind(key: str) -> str:
+    """'rate' (in [0, 1]), 'nonneg' (>= 0) or 'real' (unbounded) for a metric key of DESIGN.md §4;
+    keys it does not know are 'real' (the t-interval, as before)."""
+    turn = T.parse_turn_key(key)
+    if turn is not None:
+        return TURN_KINDS[turn[1]]
+    return "rate" if key in RATE_KEYS else "nonneg" if key in NONNEG_KEYS else "real"
 
 
 def _forward_fill(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:

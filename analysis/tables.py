@@ -15,7 +15,7 @@ from stppo import tracking as T
 
 from .collapse import collapse_table
 from .load import Study
-from .stats import GROUP, WELCH_TEST, bootstrap_diff_ci, fit_exponential, t_interval, welch_test
+from .stats import GROUP, WELCH_TEST, bootstrap_diff_ci, bootstrap_mean_ci, fit_exponential, t_interval, welch_test
 
 BOOTSTRAP = "95% percentile bootstrap CI of mean(a) - mean(b), {n} resamples per group"
 
@@ -60,17 +60,21 @@ def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.Data
 
 def preset_table(study: Study, *, by: Sequence[str] = GROUP, confidence: float = 0.95,
                  runs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per (*by): collapse k/n and rate, median collapse step, final success mean ± t-interval,
-    mean over runs of the peak grad norm, of the mean clip ratio and of the mean KL values."""
+    """Per (*by): collapse k/n and rate, median collapse step, final success mean with its t-interval
+    half-width (`final_success_ci`) and a range-respecting 95% bootstrap interval
+    (`final_success_ci_low/high`, within [0, 1]), mean over runs of the peak grad norm, of the mean
+    clip ratio and of the mean KL values."""
     runs = runs if runs is not None else per_run_table(study)
     rows = []
     for key, grp in runs.groupby(list(by), sort=True):
         k, n = int(grp["collapsed"].sum()), len(grp)
         mean, half, n_final = t_interval(grp["final_success"], confidence)
+        low, high = bootstrap_mean_ci(grp["final_success"], confidence=confidence)
         steps = grp.loc[grp["collapsed"], "collapse_step"]
         rows.append({**dict(zip(by, key)), "runs": n, "collapsed": f"{k}/{n}", "collapse_rate": k / n,
                      "median_collapse_step": float(steps.median()) if len(steps) else np.nan,
                      "final_success_mean": mean, "final_success_ci": half, "final_success_n": n_final,
+                     "final_success_ci_low": low, "final_success_ci_high": high,
                      "peak_grad_norm": _mean(grp["peak_grad_norm"]), "clip_ratio": _mean(grp["mean_clipfrac"]),
                      "ppo_kl": _mean(grp["mean_ppo_kl"]), "kl_ref": _mean(grp["mean_kl_ref"])})
     return pd.DataFrame(rows)

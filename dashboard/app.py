@@ -1,7 +1,9 @@
 """stppo stability dashboard: `streamlit run dashboard/app.py` (binds 127.0.0.1, see .streamlit/).
 
-Pages: Overview (runs, status, final metrics), Collapse diagnosis (one run, the paper's Fig. 2),
-Variant comparison (Figs. 3-5 and the statistics tables), Sweeps (Optuna trials). The tracking URI
+Pages: Overview (runs, status, final metrics), Collapse diagnosis (one run, the paper's Fig. 2, and
+a turn × step heatmap), Variant comparison (Figs. 3-5 and the statistics tables), Samples (the saved
+trajectories by run and step), Early warning (lead time, false alarms and ROC AUC per alarm
+indicator), Sweeps (Optuna trials). Charts are interactive (Altair). The tracking URI
 defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db; the Optuna storage to $OPTUNA_STORAGE,
 else sqlite:///optuna.db.
 """
@@ -25,6 +27,8 @@ pages = [
     st.Page("views/overview.py", title="Overview", url_path="overview", default=True),
     st.Page("views/collapse.py", title="Collapse diagnosis", url_path="collapse"),
     st.Page("views/compare.py", title="Variant comparison", url_path="compare"),
+    st.Page("views/samples.py", title="Samples", url_path="samples"),
+    st.Page("views/warning.py", title="Early warning", url_path="warning"),
     st.Page("views/sweeps.py", title="Sweeps", url_path="sweeps"),
 ]
 st.navigation(pages).run()

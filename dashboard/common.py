@@ -13,9 +13,11 @@ import pandas as pd
 import streamlit as st
 
 import analysis
+from analysis import samples as S
 from analysis.store import AnalysisError, EmptyExperimentError
 from analysis.summary import fmt_number
 from analysis.sweeps import DEFAULT_STORAGE
+from analysis.warning import AlarmConfig
 
 URI_KEY, EXP_KEY, OPTUNA_KEY = "tracking_uri", "experiments", "optuna_storage"
 
@@ -41,6 +43,37 @@ def run_tables(uri: str, names: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataF
     s = study(uri, names)
     collapse = analysis.collapse_table(s)
     return analysis.per_run_table(s, collapse), collapse
+
+
+@st.cache_data(ttl=30, max_entries=8, show_spinner="Computing the alarm statistics…")
+def warning_stats(uri: str, names: tuple[str, ...], persist: int, baseline: int) -> pd.DataFrame:
+    """The alarm statistic of every (run, indicator, step); it does not depend on the threshold."""
+    cfg = AlarmConfig(persist=persist, baseline_steps=baseline)
+    return analysis.run_statistics(study(uri, names), cfg)
+
+
+@st.cache_data(ttl=30, max_entries=64, show_spinner=False)
+def saved_steps(uri: str, run_id: str) -> list[int]:
+    return S.saved_steps(uri, run_id)
+
+
+@st.cache_data(ttl=300, max_entries=64, show_spinner="Reading the sampled trajectories…")
+def samples(uri: str, run_id: str, step: int) -> pd.DataFrame:
+    return S.load_samples(uri, run_id, step)
+
+
+def chart(spec, note: str) -> None:
+    """An interactive Altair chart, or `note` when there is nothing to draw."""
+    if spec is None:
+        st.info(note)
+    else:
+        st.altair_chart(spec, width="content")
+
+
+def ordered_runs(kept: pd.DataFrame) -> dict[str, str]:
+    """run_id -> label, earliest collapse first, then the runs without collapse."""
+    order = kept.assign(_c=kept["collapse_step"].fillna(float("inf"))).sort_values(["_c", "algo", "model", "seed"])
+    return {r["run_id"]: run_label(r) for _, r in order.iterrows()}
 
 
 def sidebar() -> None:

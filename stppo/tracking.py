@@ -86,9 +86,71 @@ TOKENS_PER_S = "perf/tokens_per_s"
 # --- collapse ----------------------------------------------------------------------------------
 COLLAPSE_DETECTED = "collapse/detected"
 COLLAPSE_STEP = "collapse/step"
+COLLAPSE_ROLLBACKS = "collapse/rollbacks"  # cumulative count of rollbacks (trainer.on_alarm=rollback)
+
+# --- groups without signal (group presets: every reward of a group equal) -----------------------
+ZERO_STD_GROUP_FRAC = "env/zero_std_group_frac"
+ALL_ZERO_GROUP_FRAC = "env/all_zero_group_frac"
+ALL_ONE_GROUP_FRAC = "env/all_one_group_frac"
+
+# --- sampler vs trainer log-probs (verl's rollout_corr names; the last two are stppo's) ---------
+ROLLOUT_CORR_KL = "rollout_corr/kl"  # mean (log p_rollout - log p_old)
+ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
+ROLLOUT_CORR_LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
+ROLLOUT_CORR_ESS = "rollout_corr/rollout_is_eff_sample_size"
+ROLLOUT_CORR_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_CORR_ABS_DIFF_MAX = "rollout_corr/abs_diff_max"
+ROLLOUT_CORR_ABS_DIFF_MEAN = "rollout_corr/abs_diff_mean"
+
+# --- per turn: `turn/k{k}/{name}` for k = 0 .. max_turns-1 ------------------------------------
+TURN_PREFIX = "turn/k"
+TURN_METRICS: tuple[str, ...] = ("pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean", "ppo_kl", "entropy",
+                                 "tokens")
+
+# --- online alarms (stppo.alarms): `alarm/<indicator>` = 1.0 at the step the alarm fires ----------
+ALARM_PREFIX = "alarm/"
+
+# --- sampled trajectories: MLflow table artifacts `samples/step_{step:06d}.json` ----------------
+SAMPLES_DIR = "samples"
+TAG_SAMPLES_STEPS = "samples_steps"  # run tag: the steps written, comma-separated
+SAMPLE_COLUMNS: tuple[str, ...] = ("step", "sample", "question", "answers", "reward", "segment", "role", "turn",
+                                   "text", "action", "ratio_mean", "ratio_max", "advantage_mean", "collapse_step")
+SAMPLE_ROLES: tuple[str, ...] = ("prompt", "agent", "observation")
+SAMPLE_ACTIONS: tuple[str, ...] = ("search", "answer", "invalid", "")
+
+
+def turn_key(k: int, name: str) -> str:
+    """The key of per-turn metric `name` (one of TURN_METRICS) at turn index k: `turn/k{k}/{name}`."""
+    if name not in TURN_METRICS:
+        raise ValueError(f"unknown per-turn metric {name!r}; valid: {', '.join(TURN_METRICS)}")
+    if int(k) < 0:
+        raise ValueError(f"turn index must be >= 0, got {k}")
+    return f"{TURN_PREFIX}{int(k)}/{name}"
+
+
+def parse_turn_key(key: str) -> tuple[int, str] | None:
+    """(k, name) of a `turn/k{k}/{name}` key, None for any other key."""
+    if not key.startswith(TURN_PREFIX):
+        return None
+    head, _, name = key[len(TURN_PREFIX):].partition("/")
+    if not head.isdigit() or name not in TURN_METRICS:
+        return None
+    return int(head), name
+
+
+def alarm_key(indicator: str) -> str:
+    """The key logged (1.0) at the step an online alarm of `indicator` fires: `alarm/<indicator>`."""
+    return f"{ALARM_PREFIX}{indicator}"
+
+
+def samples_artifact(step: int) -> str:
+    """The run-relative path of the sampled trajectories logged at `step`."""
+    return f"{SAMPLES_DIR}/step_{int(step):06d}.json"
+
 
 ALL_METRICS: tuple[str, ...] = tuple(
-    v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str) and "/" in v
+    v for k, v in dict(globals()).items()
+    if k.isupper() and isinstance(v, str) and "/" in v and not k.endswith("_PREFIX")
 )
 
 # Keys reduced by max / min (not mean) over minibatches and ranks.
@@ -109,8 +171,17 @@ RUN_TAGS: tuple[str, ...] = (TAG_ALGO, TAG_MODEL, TAG_TASK, TAG_SEED, TAG_SWEEP,
 
 
 def reduce_name(key: str) -> str:
-    """'max' for `*_max` keys, 'min' for `*_min` keys, 'mean' otherwise (CONVENTIONS.md 5)."""
+    """'max' for `*_max` keys, 'min' for `*_min` keys, 'mean' otherwise (CONVENTIONS.md 5);
+    per-turn keys by their name (`turn/k2/ratio_max` -> 'max')."""
+    turn = parse_turn_key(key)
+    if turn is not None:
+        return "max" if turn[1].endswith("_max") else "mean"
     return "max" if key in MAX_REDUCED else "min" if key in MIN_REDUCED else "mean"
+
+
+def known_metric(key: str) -> bool:
+    """A key of DESIGN.md §4: one of ALL_METRICS, a per-turn key or an alarm key."""
+    return key in ALL_METRICS or parse_turn_key(key) is not None or key.startswith(ALARM_PREFIX)
 
 
 # ================================================================================================

@@ -115,3 +115,30 @@ def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
     assert set(study.runs["status"]) == {"FINISHED", "KILLED"}
     assert study.metrics.groupby("run_id", observed=True)["step"].max().sort_values().tolist() == [
         10, 20, 30, 30, 30, 30, 30]
+
+
+# A second store for the workbench's diagnostics (DESIGN.md §4), written by analysis.synthetic:
+# * `demo` — ppo (collapses at 20 + 3·seed) and st_ppo, seeds 0, 1, 40 steps, with per-turn metrics,
+#   group fractions, rollout_corr, alarm flags and sample tables every 10 steps and at the detected
+#   collapse;
+# * `signal` — one known leading signal (`signal_series`: actor/pg_clipfrac jumps `lead` steps
+#   before the collapse; collapse settings ema=1, patience=3, so the onset is the drop step):
+SIGNAL_RUNS = [(25, 6), (30, 10), (28, 3), (None, None), (None, None), (None, None), (27, None)]
+DEMO, SIGNAL = "demo", "signal"
+
+
+def build_workbench_store(root: Path) -> str:
+    from analysis.synthetic import write_demo_study, write_signal_study
+
+    root.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    if not (root / "done").exists():
+        write_demo_study(uri, DEMO, seeds=(0, 1), steps=40, per_step=False, diagnostics=True, samples_every=10)
+        write_signal_study(uri, SIGNAL, SIGNAL_RUNS, steps=40)
+        (root / "done").touch()
+    return uri
+
+
+@pytest.fixture(scope="session")
+def workbench_uri(tmp_path_factory) -> str:
+    return build_workbench_store(tmp_path_factory.getbasetemp() / "workbench_store")

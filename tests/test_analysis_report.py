@@ -41,7 +41,10 @@ def test_report_writes_figures_tables_and_summary(known_uri, tmp_path, cache_tmp
     md = (out / "summary.md").read_text()
     assert "| ppo | tiny | synthetic_multihop | 2/3 |" in md
     assert "before collapse: b = 0.125 per step" in md  # median of 0.2 and 0.05
-    assert "Welch's two-sided t-test" in md and "0.517 ± " in md  # ppo final success mean 0.5167
+    assert "Welch's two-sided t-test" in md and "0.517 [0.100, 0.750] (n=3)" in md  # ppo: 0.1, 0.7, 0.75
+    warning = pd.read_csv(out / "warning.csv")
+    assert list(warning["indicator"])[:2] == ["clip_bias_growth", "grad_norm_spike"] and "warning.csv" in names
+    assert "## Early warning of collapse" in md and {"fig6_early_warning.png", "fig6_early_warning.pdf"} <= names
 
 
 def test_bad_experiment_exits_nonzero_with_one_line(known_uri, tmp_path):

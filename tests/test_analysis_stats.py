@@ -13,11 +13,13 @@ import analysis
 from analysis import (
     aggregate,
     bootstrap_diff_ci,
+    bootstrap_mean_ci,
     collapse_table,
     ema,
     fit_exponential,
     growth_table,
     load_study,
+    metric_kind,
     preset_table,
     significance_table,
     t_interval,
@@ -44,7 +46,7 @@ def test_t_interval_by_hand():
 
 
 def test_aggregate_mean_and_ci_across_seeds(study):
-    agg = aggregate(study.metrics, T.GRAD_NORM)
+    agg = aggregate(study.metrics, T.GRAD_NORM, kind="real")  # the t-interval, as for unbounded quantities
     ppo = agg[agg["algo"] == "ppo"].set_index("step")
     # step 10: seeds log 10, 20, 30 -> mean 20, s = 10
     assert ppo.loc[10, "mean"] == pytest.approx(20.0)
@@ -56,6 +58,39 @@ def test_aggregate_mean_and_ci_across_seeds(study):
     assert ppo.loc[25, "half_width"] == pytest.approx(T975_DF1 * (25 / math.sqrt(2)) / math.sqrt(2))
     st = agg[agg["algo"] == "st_ppo"]
     assert np.allclose(st["mean"], 1.0) and np.allclose(st["half_width"], 0.0)
+    assert set(agg["interval"]) == {"t"}
+
+
+def test_bands_stay_in_the_range_of_their_quantity(study):
+    """Success with 2 seeds (0.0 and 0.8 after ppo seed 0 collapsed): the t-interval dips below 0,
+    the default (bootstrap for rates) stays in [0, 1]; norms stay >= 0."""
+    t = aggregate(study.metrics, T.SUCCESS_RATE, kind="real")
+    assert (t["ci_low"] < 0).any()
+    agg = aggregate(study.metrics, T.SUCCESS_RATE)
+    assert set(agg["interval"]) == {"bootstrap"} and agg["ci_low"].min() >= 0 and agg["ci_high"].max() <= 1
+    ppo = agg[agg["algo"] == "ppo"].set_index("step")
+    assert ppo.loc[16, "n"] == 3 and (ppo.loc[16, "ci_low"], ppo.loc[16, "ci_high"]) == pytest.approx((0.0, 0.8))
+    assert ppo.loc[25, "n"] == 2 and agg[agg["algo"] == "grpo"]["half_width"].isna().all()  # one run
+    grad = aggregate(study.metrics, T.GRAD_NORM)
+    assert set(grad["interval"]) == {"bootstrap"} and grad["ci_low"].min() >= 0
+    g = grad[grad["algo"] == "ppo"].set_index("step")
+    assert 10 <= g.loc[10, "ci_low"] < 20 < g.loc[10, "ci_high"] <= 30  # within the seeds' 10, 20, 30
+    assert g.loc[10, "half_width"] == pytest.approx((g.loc[10, "ci_high"] - g.loc[10, "ci_low"]) / 2)
+    one = aggregate(study.metrics, T.SUCCESS_RATE, by=("algo", "seed"))
+    assert one["half_width"].isna().all()  # one value per point: no interval, not a zero-width one
+    assert aggregate(study.metrics, T.SUCCESS_RATE).equals(agg)  # seeded: the same band every time
+    with pytest.raises(ValueError, match="kind must be"):
+        aggregate(study.metrics, T.SUCCESS_RATE, kind="bogus")
+
+
+def test_bootstrap_mean_ci_and_metric_kinds():
+    low, high = bootstrap_mean_ci([0.0, 0.0, 1.0], n_boot=4000)
+    assert 0.0 <= low < 1 / 3 < high <= 1.0
+    assert bootstrap_mean_ci([0.2, 0.2]) == (0.2, 0.2) and all(map(math.isnan, bootstrap_mean_ci([0.5])))
+    assert metric_kind(T.SUCCESS_RATE) == "rate" and metric_kind(T.ZERO_STD_GROUP_FRAC) == "rate"
+    assert metric_kind(T.CLIP_BIAS_NORM) == "nonneg" and metric_kind(T.ENTROPY) == "nonneg"
+    assert metric_kind(T.PG_LOSS) == "real" and metric_kind(T.PPO_KL) == "real" and metric_kind("x/y") == "real"
+    assert metric_kind("turn/k1/pg_clipfrac") == "rate" and metric_kind("turn/k0/adv_mean") == "real"
 
 
 def test_aggregate_ema_smoothing_and_forward_fill(study):
@@ -119,6 +154,9 @@ def test_preset_table_numbers(study):
     finals = [0.1, 0.7, 0.75]
     assert ppo["final_success_mean"] == pytest.approx(np.mean(finals))
     assert ppo["final_success_ci"] == pytest.approx(T975_DF2 * np.std(finals, ddof=1) / math.sqrt(3))
+    assert ppo["final_success_mean"] - ppo["final_success_ci"] < 0  # the t-interval leaves [0, 1] ...
+    low_high = (ppo["final_success_ci_low"], ppo["final_success_ci_high"])
+    assert low_high == pytest.approx((0.1, 0.75))  # ... the bootstrap interval does not
     assert ppo["peak_grad_norm"] == pytest.approx((20 + 60 + 90) / 3)
     assert ppo["clip_ratio"] == pytest.approx(0.2) and ppo["ppo_kl"] == pytest.approx(0.02)
     assert math.isnan(ppo["kl_ref"]) and tab.loc["st_ppo", "kl_ref"] == pytest.approx(0.001)
@@ -178,9 +216,17 @@ def test_band_figures_draw_mean_and_ci_per_preset(study):
     fig3 = analysis.fig_token_vs_turn(study.metrics, presets=["ppo", "st_ppo"], log_scale=True)
     success, grad = fig3.axes[0], fig3.axes[1]
     assert success.get_yscale() == "linear" and grad.get_yscale() == "log"
-    assert [ln.get_label() for ln in grad.lines] == ["ppo (n=3)", "st_ppo (n=3)"]
+    assert [ln.get_label() for ln in grad.lines if not ln.get_label().startswith("_")] == ["ppo (n=3)", "st_ppo (n=3)"]
     ydata = grad.lines[0].get_ydata()
     assert ydata[9] == pytest.approx(20.0)  # the aggregated mean at step 10
+    # ppo seed 0 stops at step 20: from step 21 two seeds; the drop is marked and labelled once
+    assert [t.get_text() for t in grad.texts] == ["n=2"] and grad.texts[0].xy[0] == 21
+    marked = grad.lines[1]  # the points with fewer seeds than the curve's maximum
+    assert list(marked.get_xdata()) == list(range(21, 31)) and marked.get_marker() == "."
+    for ax in fig3.axes:
+        ticks = ax.get_xticks()
+        assert len(ticks) and np.allclose(ticks, np.round(ticks))  # integer step axes
+    assert success.collections[0].get_paths()[0].vertices[:, 1].min() >= 0  # the band stays >= 0
     only_grpo = analysis.fig_token_vs_turn(study.metrics, presets=["grpo"])
     assert "actor/grad_norm: not logged" in _texts(only_grpo)
     fig4 = analysis.fig_success_by_preset(study.metrics)

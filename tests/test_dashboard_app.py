@@ -1,5 +1,6 @@
 """Every dashboard page through streamlit.testing.v1.AppTest on real stores: runs shown, charts
-drawn, and a message (never a traceback) for an empty store, a missing file or an unreachable server."""
+drawn, samples marked, the early-warning table, and a message (never a traceback) for an empty store,
+a missing file or an unreachable server."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
-from test_analysis_fixtures import EMPTY, KNOWN, closed_port, known_uri  # noqa: F401
+import json
+
+from test_analysis_fixtures import DEMO, EMPTY, KNOWN, SIGNAL, closed_port, known_uri, workbench_uri  # noqa: F401
 from test_analysis_sweeps import SWEEP, optuna_url  # noqa: F401
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -33,6 +36,18 @@ def _texts(elements) -> str:
     return " | ".join(str(e.value) for e in elements)
 
 
+def _charts(at: AppTest) -> list[dict]:
+    """The Vega-Lite specs of the page's Altair charts."""
+    return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+
+
+def _chart_data(at: AppTest, i: int) -> list:
+    """The datasets (frames) Streamlit sends with chart i (Arrow IPC streams)."""
+    import pyarrow as pa
+
+    return [pa.ipc.open_stream(d.data.data).read_pandas() for d in at.get("vega_lite_chart")[i].proto.datasets]
+
+
 def test_overview_lists_the_runs_with_a_chart(app):
     at = _ok(app.run())
     assert "**7 runs** in known" in _texts(at.markdown)
@@ -41,7 +56,7 @@ def test_overview_lists_the_runs_with_a_chart(app):
     assert len(runs) == 7 and runs["status"].value_counts().to_dict() == {"FINISHED": 6, "KILLED": 1}
     table = at.table[0].value
     assert table.set_index("preset").loc["ppo", "collapsed k/n"] == "2/3"
-    assert len(at.get("image")) == 1
+    assert len(_charts(at)) == 1 and not at.get("image")
     _ok(at.multiselect(key="overview:algo").set_value(["st_ppo"]).run())
     assert "**3 runs** in known" in _texts(at.markdown) and len(at.dataframe[0].value) == 3
 
@@ -56,15 +71,19 @@ def test_collapse_page_marks_the_collapse_and_notes_missing_metrics(app):
     assert run.options[0].startswith("grpo · tiny · seed 0") and run.options[0].endswith("collapsed at step 5")
     assert "did not log" in _texts(at.info) and "Collapsed at step 5 of 10." in _texts(at.warning)
     _ok(run.set_value(ids[("ppo", "0")]).run())
-    assert "Collapsed at step 15 of 20." in _texts(at.warning) and not at.info
+    assert "Collapsed at step 15 of 20." in _texts(at.warning) and "did not log" not in _texts(at.info)
+    (before,) = _charts(at)
     _ok(at.multiselect(key="collapse:extra").set_value(["clip_bias/norm", "actor/pg_loss_norm"]).run())
-    assert len(at.get("image")) == 1 and at.metric[1].value == "15"
+    (spec,) = _charts(at)
+    assert len(spec["vconcat"]) == len(before["vconcat"]) + 2 and at.metric[1].value == "15"
+    assert {p["name"] for p in spec["params"]} >= {"steps", "zoom1"}  # brush + zoom
+    assert "no per-turn metrics" in _texts(at.info)
 
 
 def test_compare_page_draws_figures_and_tables(app):
     at = _ok(app.run())
     _ok(at.switch_page("views/compare.py").run())
-    assert len(at.get("image")) == 3
+    assert len(_charts(at)) == 3 and not at.get("image")  # Figs. 3, 4 (one model), 5
     caption = _texts(at.caption)
     assert "Welch's two-sided t-test" in caption
     presets = at.dataframe[0].value.set_index("algo")
@@ -72,7 +91,7 @@ def test_compare_page_draws_figures_and_tables(app):
     at.slider(key="compare:smoothing").set_value(0.5)
     at.toggle(key="compare:log").set_value(True)
     _ok(at.multiselect(key="compare:algo").set_value(["ppo"]).run())
-    assert "Choose at least two presets" in _texts(at.info) and len(at.get("image")) == 3
+    assert "Choose at least two presets" in _texts(at.info) and len(_charts(at)) == 3
     assert at.dataframe[0].value["algo"].tolist() == ["ppo"]
 
 
@@ -98,7 +117,7 @@ def test_empty_store_is_a_message_on_every_page(app, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     at = _ok(app.run())
     assert "has no runs" in _texts(at.info)
-    for page in ("views/collapse.py", "views/compare.py"):
+    for page in ("views/collapse.py", "views/compare.py", "views/samples.py", "views/warning.py"):
         _ok(at.switch_page(page).run())
         assert "has no runs" in _texts(at.info)
 
@@ -116,5 +135,81 @@ def test_bad_tracking_uri_is_a_warning(app, case, tmp_path, monkeypatch):
     at = _ok(app.run())
     expected = "is unreachable" if case == "unreachable" else "tracking store not found"
     assert expected in _texts(at.warning)
+    for page in ("views/collapse.py", "views/samples.py", "views/warning.py"):
+        _ok(at.switch_page(page).run())
+        assert expected in _texts(at.warning)
+
+
+@pytest.fixture
+def workbench(app, workbench_uri, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", workbench_uri)
+    return app
+
+
+def _pick(at: AppTest, experiment: str) -> AppTest:
+    return _ok(at.sidebar.multiselect[0].set_value([experiment]).run())
+
+
+def test_collapse_page_draws_the_turn_heatmap(workbench):
+    at = _pick(_ok(workbench.run()), DEMO)
     _ok(at.switch_page("views/collapse.py").run())
-    assert expected in _texts(at.warning)
+    assert at.selectbox(key="collapse:turn_metric").options == ["pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean",
+                                                                "ppo_kl", "entropy", "tokens"]
+    _ok(at.selectbox(key="collapse:turn_metric").set_value("ratio_max").run())
+    heat = _charts(at)[1]
+    assert heat["layer"][0]["mark"]["type"] == "rect" and heat["layer"][0]["encoding"]["color"]["title"] == "ratio_max"
+
+
+def test_samples_page_marks_actions_and_defaults_near_the_collapse(workbench):
+    at = _pick(_ok(workbench.run()), DEMO)
+    _ok(at.switch_page("views/samples.py").run())
+    run = at.selectbox(key="samples:run")
+    assert run.options[0].startswith("ppo · tiny · seed 0") and run.options[0].endswith("collapsed at step 22")
+    step = at.select_slider(key=f"samples:step:{run.value}")
+    assert step.value == 20 and list(step.options) == ["10", "20", "26", "30", "40"]
+    assert "collapse onset at step 22" in _texts(at.caption)
+    html = " ".join(h.proto.body for h in at.get("html"))
+    assert len(at.get("html")) == 3 and html.count(">tool call: search</span>") == 3
+    assert html.count(">answer</span>") == 3
+    assert html.count(">observation</b>") == 3 and "&lt;information&gt;" in html  # observations set apart
+    assert "&lt;search&gt;" in html and "<search>" not in html  # escaped, never live markup
+    assert "<details" not in html  # prompts hidden by default
+    _ok(step.set_value(26).run())
+    html = " ".join(h.proto.body for h in at.get("html"))
+    assert html.count(">invalid action</span>") == 6 and "tool call: search" not in html
+    _ok(at.toggle(key="samples:prompts").set_value(True).run())
+    assert "<details" in " ".join(h.proto.body for h in at.get("html"))
+
+
+def test_samples_page_defaults_to_the_last_step_without_collapse(workbench):
+    at = _pick(_ok(workbench.run()), DEMO)
+    _ok(at.switch_page("views/samples.py").run())
+    _ok(at.multiselect(key="samples:algo").set_value(["st_ppo"]).run())
+    run = at.selectbox(key="samples:run")
+    assert run.options[0].startswith("st_ppo") and at.select_slider(key=f"samples:step:{run.value}").value == 40
+    assert "no collapse" in _texts(at.caption)
+
+
+def test_samples_page_without_samples_is_a_message(app):
+    at = _ok(app.run())
+    _ok(at.switch_page("views/samples.py").run())
+    assert "saved no sampled trajectories" in _texts(at.info)
+
+
+def test_early_warning_page_table_and_threshold(workbench):
+    at = _pick(_ok(workbench.run()), SIGNAL)
+    _ok(at.switch_page("views/warning.py").run())
+    assert "**4 collapsed runs**, 3 runs without collapse." in _texts(at.markdown)
+    row = at.table[0].value.set_index("indicator").loc["clip_frac"]
+    assert (row["warned k/n"], row["false alarms"]) == ("3/4", "0/3")
+    assert (row["lead median"], row["lead IQR"]) == ("5", "3.5 – 7")  # leads 5, 9, 2 with P = 2
+    assert "entropy_fall" not in at.table[0].value["indicator"].tolist()  # never logged: not shown
+    full = at.dataframe[0].value.set_index("indicator")
+    assert full.loc["clip_frac", "lead_median"] == 5.0 and full.loc["entropy_fall", "runs_without"] == 7
+    assert len(at.get("image")) == 1 and len(_charts(at)) == 1
+    _ok(at.number_input(key="warning:persist").set_value(1).run())
+    assert at.table[0].value.set_index("indicator").loc["clip_frac", "lead median"] == "6"  # leads 6, 10, 3
+    _ok(at.slider(key="warning:threshold").set_value(20.0).run())
+    assert at.table[0].value.set_index("indicator").loc["clip_frac", "warned k/n"] == "0/4"
+    rule = [d for d in _chart_data(at, 0) if list(d.columns) == ["h"]]
+    assert len(rule) == 1 and rule[0]["h"].tolist() == [20.0]  # the threshold line follows the slider

@@ -1,11 +1,11 @@
-"""Collapse diagnosis of one run: the paper's Fig. 2 panels with the collapse step marked; any logged
-metric can be added as a panel."""
-
-import math
+"""Collapse diagnosis of one run: the paper's Fig. 2 panels as interactive charts (drag over steps on
+the first panel to filter the others; wheel to zoom, drag to pan; hover for values) with the
+collapse step marked; any logged metric can be added as a panel; a turn × step heatmap of any
+per-turn metric."""
 
 import streamlit as st
 
-import analysis
+from analysis import charts as C
 from analysis.figures import ADVANTAGES
 from dashboard import common
 from stppo import tracking as T
@@ -13,15 +13,15 @@ from stppo import tracking as T
 st.header("Collapse diagnosis")
 study, runs, _, kept = common.page_runs("collapse")
 
-order = kept.assign(_c=kept["collapse_step"].fillna(math.inf)).sort_values(["_c", "algo", "model", "seed"])
-labels = {r["run_id"]: common.run_label(r) for _, r in order.iterrows()}
+labels = common.ordered_runs(kept)
 run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="collapse:run")
 row = kept[kept["run_id"] == run_id].iloc[0]
 
 metrics = study.metrics[study.metrics["run_id"] == run_id]
 logged = sorted(metrics["metric"].astype(str).unique())
 shown = {*ADVANTAGES, T.VALID_ACTION_RATIO, T.GRAD_NORM, T.GRAD_NORM_MAX, T.SUCCESS_RATE, T.VAL_SUCCESS_RATE}
-extra = st.multiselect("Add metrics", [m for m in logged if m not in shown], key="collapse:extra")
+extra = st.multiselect("Add metrics", [m for m in logged if m not in shown and T.parse_turn_key(m) is None],
+                       key="collapse:extra")
 
 c1, c2, c3, c4 = st.columns(4)
 c1.metric("Status", row["status"])
@@ -36,9 +36,21 @@ else:
 missing = [m for m in (T.SUCCESS_RATE, T.VAL_SUCCESS_RATE, T.GRAD_NORM, T.VALID_ACTION_RATIO, T.ADV_MEAN)
            if m not in logged]
 if missing:
-    st.info("This run did not log " + ", ".join(f"`{m}`" for m in missing) + ": those panels show a note.")
+    st.info("This run did not log " + ", ".join(f"`{m}`" for m in missing) + ": those panels are left out.")
 step = row["collapse_step"] if row["collapsed"] else None
-fig = analysis.fig_collapse_diagnosis(study.metrics, run_id, collapse_step=step, extra_metrics=extra,
-                                      title=common.run_label(row))
-st.pyplot(fig)
+panels = [("success rate (drag here to select steps)", (T.SUCCESS_RATE, T.VAL_SUCCESS_RATE)),
+          ("advantages", ADVANTAGES), ("valid action ratio", (T.VALID_ACTION_RATIO,)),
+          ("grad norm (pre-clip)", (T.GRAD_NORM, T.GRAD_NORM_MAX))] + [(m, (m,)) for m in extra]
+st.caption("Drag over steps on the first panel to filter the others (double-click clears); mouse wheel zooms "
+           "and dragging pans the others; hover for values. The red dashed line is the collapse step.")
+common.chart(C.run_panels(study.metrics, run_id, panels, collapse_step=step), "This run logged none of these metrics.")
+
+st.subheader("Per turn")
+names = C.turn_names(study.metrics, run_id)
+if not names:
+    st.info("This run logged no per-turn metrics (`turn/k{k}/…`, diagnostics.per_turn).")
+else:
+    name = st.selectbox("Per-turn metric", names, key="collapse:turn_metric")
+    frame = C.turn_frame(study.metrics, run_id, name)
+    common.chart(C.turn_heatmap(frame, name, collapse_step=step), f"No values of turn/k*/{name}.")
 st.caption(f"run_id {run_id} · experiment {row['experiment']}")

@@ -1,11 +1,15 @@
-"""Variant comparison: Figs. 3-5 for the chosen presets and model sizes (mean ± 95% CI across
-seeds), smoothing and log scale, and the statistics tables (collapse, final success with Welch's
-test, clip ratio / KL, clipping-bias growth)."""
+"""Variant comparison: Figs. 3-5 for the chosen presets and model sizes as interactive charts (mean
+and a 95% band across seeds that stays in the quantity's range; seed counts where seeds drop out;
+a brush over steps on the first panel filters the others), smoothing and log scale, and the
+statistics tables (collapse, final success with Welch's test, clip ratio / KL, clipping-bias growth)."""
 
 import streamlit as st
 
 import analysis
+from analysis import charts as C
+from analysis.figures import FIG3_METRICS, FIG5_METRICS
 from dashboard import common
+from stppo import tracking as T
 
 st.header("Variant comparison")
 study, runs, collapse, kept = common.page_runs("compare", columns=("algo", "model", "task"))
@@ -18,14 +22,23 @@ if kept.groupby(["algo", "model", "task"]).size().max() < 2:
     st.info("Confidence bands need at least two seeds per preset; curves show single runs.")
 
 metrics = study.metrics[study.metrics["run_id"].isin(list(kept["run_id"]))]
+st.caption("Bands: 95% bootstrap interval of the mean for rates and non-negative quantities (it stays in "
+           "their range), t-interval otherwise; points marked n=k where fewer seeds remain. Drag over steps on "
+           "the first panel to filter the others; wheel zooms, drag pans; hover for values and seed counts.")
 st.subheader("Token vs turn level (Fig. 3)")
-st.pyplot(analysis.fig_token_vs_turn(metrics, smoothing=smoothing, log_scale=log_scale))
+logs = [k for k in FIG3_METRICS if log_scale and "success" not in k]
+common.chart(C.band_charts(metrics, FIG3_METRICS, smoothing=smoothing, log_keys=logs),
+             "The selected runs logged none of the Fig. 3 metrics.")
 st.subheader("Success by preset and model size (Fig. 4)")
-narrow = kept["model"].nunique() == 1  # one panel: keep it at a readable size
-where = st.columns([3, 2])[0] if narrow else st.container()
-where.pyplot(analysis.fig_success_by_preset(metrics, smoothing=smoothing))
+key = T.VAL_SUCCESS_RATE if (metrics["metric"] == T.VAL_SUCCESS_RATE).any() else T.SUCCESS_RATE
+for model in sorted(kept["model"].astype(str).unique()):
+    common.chart(C.band_charts(metrics[metrics["model"] == model], [key], smoothing=smoothing),
+                 f"Model {model}: no {key} logged.")
+    st.caption(f"{key} — model {model}")
 st.subheader("Clip ratio and KL (Fig. 5)")
-st.pyplot(analysis.fig_clip_kl(metrics, smoothing=smoothing, log_scale=log_scale))
+keys = [k for k in FIG5_METRICS if k != T.KL_REF or (metrics["metric"] == T.KL_REF).any()]
+common.chart(C.band_charts(metrics, keys, smoothing=smoothing, log_keys=keys if log_scale else ()),
+             "The selected runs logged no clip ratio or KL.")
 
 st.subheader("Per preset")
 presets = analysis.preset_table(study, runs=kept)

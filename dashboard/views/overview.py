@@ -3,7 +3,9 @@
 import streamlit as st
 
 import analysis
+from analysis import charts as C
 from dashboard import common
+from stppo import tracking as T
 
 st.header("Overview")
 study, runs, _, kept = common.page_runs("overview")
@@ -14,9 +16,10 @@ st.markdown(f"**{common.plural(len(kept), 'run')}** in {', '.join(study.experime
 
 summary = analysis.preset_table(study, runs=kept)
 table = summary[["algo", "model", "task", "collapsed", "median_collapse_step", "final_success_mean",
-                 "final_success_ci"]].rename(columns={
+                 "final_success_ci_low", "final_success_ci_high", "final_success_n"]].rename(columns={
     "algo": "preset", "collapsed": "collapsed k/n", "median_collapse_step": "median collapse step",
-    "final_success_mean": "final val success (mean)", "final_success_ci": "± 95% CI"})
+    "final_success_mean": "final val success (mean)", "final_success_ci_low": "95% CI low",
+    "final_success_ci_high": "95% CI high", "final_success_n": "seeds"})
 st.table(common.pretty(table), hide_index=True)
 
 columns = ["run_name", "algo", "model", "task", "seed", "status", "collapsed", "collapse_step", "last_step",
@@ -30,5 +33,6 @@ st.dataframe(kept[columns], hide_index=True, width="stretch",
 
 st.subheader("Success by preset")
 metrics = study.metrics[study.metrics["run_id"].isin(list(kept["run_id"]))]
-left, _ = st.columns([3, 2])
-left.pyplot(analysis.fig_success_by_preset(metrics))
+key = T.VAL_SUCCESS_RATE if (metrics["metric"] == T.VAL_SUCCESS_RATE).any() else T.SUCCESS_RATE
+common.chart(C.band_charts(metrics, [key]), f"No {key} logged yet.")
+st.caption(f"{key}: mean and 95% band across seeds (hover for the number of seeds).")
