@@ -40,13 +40,6 @@ BAPO_CLIP_LOW = "actor/bapo_clip_low"  # the adaptive ratio bounds c_low, c_high
 BAPO_CLIP_HIGH = "actor/bapo_clip_high"
 BAPO_POS_SHARE = "actor/bapo_pos_share"  # ρ: positive-advantage tokens' share of the loss
 
-# --- sampler vs trainer: truncated importance sampling (verl's rollout_corr/* names) -----------
-ROLLOUT_IS_MEAN = "rollout_corr/rollout_is_mean"
-ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
-ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
-ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
-ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
-
 # --- DAPO's dynamic sampling and overlong reward shaping (stppo.train.dapo) --------------------
 DS_ROLLOUTS = "dynamic_sampling/rollouts"  # rollout calls this step (1 = no refill needed)
 DS_GROUPS_ROLLED = "dynamic_sampling/groups_rolled_out"
@@ -93,14 +86,20 @@ ZERO_STD_GROUP_FRAC = "env/zero_std_group_frac"
 ALL_ZERO_GROUP_FRAC = "env/all_zero_group_frac"
 ALL_ONE_GROUP_FRAC = "env/all_one_group_frac"
 
-# --- sampler vs trainer log-probs (verl's rollout_corr names; the last two are stppo's) ---------
+# --- sampler vs trainer log-probs (verl's rollout_corr names; abs_diff_* are stppo's) -----------
+# Logged every step from the rollout's sampling log-probs and the recomputed old log-probs; the
+# token IS weights ω = min(exp(log p_old − log p_rollout), C) (stppo.algos.rollout_is, the TIS
+# correction's weights) give the rollout_is_* statistics whether or not TIS is applied.
 ROLLOUT_CORR_KL = "rollout_corr/kl"  # mean (log p_rollout - log p_old)
 ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
 ROLLOUT_CORR_LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
-ROLLOUT_CORR_ESS = "rollout_corr/rollout_is_eff_sample_size"
-ROLLOUT_CORR_IS_MEAN = "rollout_corr/rollout_is_mean"
 ROLLOUT_CORR_ABS_DIFF_MAX = "rollout_corr/abs_diff_max"
 ROLLOUT_CORR_ABS_DIFF_MEAN = "rollout_corr/abs_diff_mean"
+ROLLOUT_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
+ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
+ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
+ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
 
 # --- per turn: `turn/k{k}/{name}` for k = 0 .. max_turns-1 ------------------------------------
 TURN_PREFIX = "turn/k"
