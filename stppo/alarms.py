@@ -251,6 +251,13 @@ class AlarmSet:
     def fired(self) -> dict[str, int]:
         return {n: m.fired_step for n, m in self.monitors.items() if m.fired_step is not None}
 
+    def rearm(self, names: Sequence[str]) -> None:
+        """Let these indicators fire again (after an intervention, e.g. a rollback): their streak
+        and firing are cleared, their baseline — the run's own first values — is kept."""
+        for n in names:
+            mon = self.monitors[n]
+            mon.fired_step, mon.recent, mon.stat = None, [], math.nan
+
     def statistics(self) -> dict[str, float]:
         """The alarm statistic a_t of each indicator at its last logged value (NaN when undefined)."""
         return {n: m.stat for n, m in self.monitors.items()}

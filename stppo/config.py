@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from stppo.alarms import AlarmConfig
 from stppo.diagnostics import CollapseConfig
 
 RATIO_LEVELS = ("token", "turn", "sequence")
@@ -264,10 +265,26 @@ class TrainerConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    # Early warning (stppo.alarms): the online alarms watched every step, and what an alarm does:
+    # none (log `alarm/<indicator>` only), stop (end the run after a last validation), rollback
+    # (reload the last checkpoint before the alarm, scale the learning rates by
+    # rollback_lr_factor, go on; at most max_rollbacks times).
+    alarm: AlarmConfig = field(default_factory=AlarmConfig)
+    on_alarm: str = "none"  # none | stop | rollback
+    rollback_lr_factor: float = 0.5
+    max_rollbacks: int = 3
 
     def __post_init__(self) -> None:
         if isinstance(self.collapse, dict):  # built from a plain mapping
             self.collapse = CollapseConfig(**self.collapse)
+        if isinstance(self.alarm, dict):
+            self.alarm = AlarmConfig(**self.alarm)
+        _one_of("trainer.on_alarm", self.on_alarm, ("none", "stop", "rollback"))
+        _check(0.0 < self.rollback_lr_factor <= 1.0,
+               f"trainer.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+        _check(self.max_rollbacks >= 0, f"trainer.max_rollbacks must be >= 0, got {self.max_rollbacks}")
+        _check(self.on_alarm != "rollback" or self.save_every > 0,
+               "trainer.on_alarm=rollback needs checkpoints to roll back to: set trainer.save_every > 0")
         batch = self.questions_per_step * self.group_size
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
         _check(self.questions_per_step >= 1 and self.group_size >= 1,
@@ -280,6 +297,18 @@ class TrainerConfig:
         _check(self.max_grad_norm > 0, f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check(self.val_every >= 0 and self.save_every >= 0, "trainer.val_every and trainer.save_every must be >= 0")
         _one_of("trainer.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class DiagnosticsConfig:
+    """What the trainer records beyond the step scalars (DESIGN.md §4)."""
+    samples_every: int = 10  # sampled trajectories as an MLflow table every k steps (0 = never)
+    samples_count: int = 4  # M trajectories per table (one per question)
+    per_turn: bool = True  # turn/k{k}/* metrics (clip fraction, ratios, advantage, KL, entropy)
+
+    def __post_init__(self) -> None:
+        _check(self.samples_every >= 0 and self.samples_count >= 0,
+               "diagnostics.samples_every and diagnostics.samples_count must be >= 0")
 
 
 @dataclass
@@ -340,6 +369,7 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     seed: int = 0

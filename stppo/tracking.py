@@ -336,6 +336,16 @@ class Tracker:
         except Exception as e:
             self._on_error(e, rows)
 
+    def log_table(self, artifact_file: str, frame) -> None:
+        """Log a table artifact (MLflow's `log_table` JSON, e.g. `samples_artifact(step)`). Best
+        effort: a store that refuses or is away costs a warning, never the run."""
+        if not self.enabled or self.run_id is None:
+            return
+        try:
+            call(self.client.log_table, self.run_id, frame, artifact_file)
+        except Exception as e:  # noqa: BLE001 - diagnostics must not stop training
+            log.warning("stppo: could not log %s (%s)", artifact_file, first_line(e))
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled and self.run_id is not None:
             for k, v in tags.items():

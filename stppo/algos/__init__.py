@@ -13,6 +13,7 @@ from stppo.algos.clip_bias import (CORRECTIONS, DEFAULT_TAU, Correction, clip_bi
                                    clip_bias_norm, clip_bias_term, clip_triggered_ratio,
                                    pg_loss_norm, resolve_correction, sequence_clip_bias_norm)
 from stppo.algos.baselines import LOSS_MODES, check_loss_mode, resolve_options
+from stppo.algos.breakdown import group_signal_fractions, sampler_mismatch, turn_breakdown
 from stppo.algos.baselines.bapo import bapo_schedule, positive_share
 from stppo.algos.baselines.sapo import sapo_gate
 from stppo.algos.dapo import groups_with_signal, overlong_penalty
@@ -29,17 +30,17 @@ from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, 
 from stppo.algos.value import explained_variance, value_loss
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "DEFAULT_LOSS_AGG", "DEFAULT_TAU", "KL_ESTIMATORS",
-    "LOSS_AGGS", "LOSS_MODES", "POLICY_LOSS_KEYWORDS", "PRESETS", "ROLLOUT_IS_KINDS", "RATIO_LEVELS", "Correction", "Preset", "Registry", "Surrogate",
-    "SurrogateParts", "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights",
-    "bapo_schedule", "check_loss_mode", "groups_with_signal", "overlong_penalty",
-    "positive_share", "reinforce_pp_advantages", "resolve_options", "rloo_advantages",
-    "sapo_gate", "truncated_is_weights",
-    "clip_bias_grad_norm", "clip_bias_norm",
-    "clip_bias_term", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages",
-    "entropy_from_logits", "explained_variance", "gae", "grpo_advantages", "importance_ratio",
-    "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten", "pg_loss_norm",
-    "policy_loss", "register_preset", "resolve_correction", "sequence_clip_bias_norm",
-    "sequence_ratio", "surrogate_parts", "token_log_probs", "token_ratio", "turn_gae", "turn_ratio",
-    "value_loss",
+    "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "Correction", "DEFAULT_LOSS_AGG", "DEFAULT_TAU",
+    "KL_ESTIMATORS", "LOSS_AGGS", "LOSS_MODES", "POLICY_LOSS_KEYWORDS", "PRESETS", "Preset",
+    "RATIO_LEVELS", "ROLLOUT_IS_KINDS", "Registry", "Surrogate", "SurrogateParts",
+    "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights", "bapo_schedule",
+    "check_loss_mode", "clip_bias_grad_norm", "clip_bias_norm", "clip_bias_term",
+    "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
+    "explained_variance", "gae", "group_signal_fractions", "groups_with_signal", "grpo_advantages",
+    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
+    "overlong_penalty", "pg_loss_norm", "policy_loss", "positive_share", "register_preset",
+    "reinforce_pp_advantages", "resolve_correction", "resolve_options", "rloo_advantages",
+    "sampler_mismatch", "sapo_gate", "sequence_clip_bias_norm", "sequence_ratio",
+    "surrogate_parts", "token_log_probs", "token_ratio", "truncated_is_weights", "turn_breakdown",
+    "turn_gae", "turn_ratio", "value_loss",
 ]

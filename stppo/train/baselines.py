@@ -11,19 +11,19 @@ from stppo.batch import Batch
 from stppo.config import AlgoConfig
 
 
-def loss_extras(algo: AlgoConfig, mb: Batch, old_log_probs: torch.Tensor,
-                ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(extra `policy_loss` keywords, their metrics) for minibatch `mb` whose π_old log-probs are
-    `old_log_probs` (N, T); ({}, {}) for the plain clip path, so that path's call is unchanged."""
+def loss_extras(algo: AlgoConfig, mb: Batch, old_log_probs: torch.Tensor) -> dict:
+    """The extra `policy_loss` keywords for minibatch `mb` whose π_old log-probs are
+    `old_log_probs` (N, T); {} for the plain clip path, so that path's call is unchanged. The TIS
+    weights' statistics are logged every step whether TIS is on or not (the sampler-vs-trainer
+    diagnostics, `stppo.algos.sampler_mismatch`)."""
     kwargs: dict = {}
-    metrics: dict[str, torch.Tensor] = {}
     if algo.loss_mode != "clip":
         kwargs.update(loss_mode=algo.loss_mode, options=dict(algo.loss_options))
     if algo.rollout_is.kind == "token":
         if mb.rollout_log_probs is None:
             raise ValueError("algo.rollout_is.kind=token needs the sampler's log-probs "
                              "(Batch.rollout_log_probs)")
-        w, metrics = truncated_is_weights(old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+        w, _ = truncated_is_weights(old_log_probs, mb.rollout_log_probs, mb.loss_mask,
                                           algo.rollout_is.threshold)
         kwargs["rollout_is_weights"] = w
-    return kwargs, metrics
+    return kwargs

@@ -90,20 +90,25 @@ class Dist:
         return bool(flat[-1] > 0)
 
     def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        """One value per key over ranks: mean, or max/min for *_max/*_min keys (CONVENTIONS 5).
-        Every rank must pass the same keys (the same code path runs on each)."""
+        """One value per key over ranks: mean, or max/min for *_max/*_min keys (CONVENTIONS 5),
+        over the ranks that have the key — a rank may lack one (a turn none of its trajectories
+        reached has no per-turn metrics there)."""
         if not self.active:
             return dict(metrics)
-        keys = sorted(metrics)
-        x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        every: list = [None] * self.world
+        dist.all_gather_object(every, sorted(metrics))
+        keys = sorted(set().union(*every))
+        has = torch.tensor([k in metrics for k in keys], dtype=torch.float64)
+        x = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
         how = [reduce_name(k) for k in keys]
-        mx, mn = x.clone(), x.clone()
+        mx = torch.where(has > 0, x, float("-inf"))
+        mn = torch.where(has > 0, x, float("inf"))
         mx[[h != "max" for h in how]] = float("-inf")
         mn[[h != "min" for h in how]] = float("inf")
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        dist.all_reduce(mn, op=dist.ReduceOp.MIN)
-        return {k: float(mx[i] if h == "max" else mn[i] if h == "min" else x[i] / self.world)
+        for t, op in ((x, dist.ReduceOp.SUM), (has, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX),
+                      (mn, dist.ReduceOp.MIN)):
+            dist.all_reduce(t, op=op)
+        return {k: float(mx[i] if h == "max" else mn[i] if h == "min" else x[i] / has[i])
                 for i, (k, h) in enumerate(zip(keys, how))}
 
     def broadcast_module(self, module: torch.nn.Module) -> None:

@@ -3,14 +3,18 @@
     for step in 1..S:
         rollout with π_old → old/ref log-probs, values → rewards → advantages (prepare.py)
         → ppo_epochs × minibatches of the policy loss, then the critic (update.py)
-        → metrics of DESIGN.md §4 → collapse detector → MLflow (one batch per step)
+        → metrics of DESIGN.md §4 → collapse detector, alarms (on_alarm: stop / rollback)
+        → MLflow (one batch per step; sampled trajectories as tables, samples.py)
         → validation every `val_every` steps and at the last → checkpoint every `save_every`
 
-Sampling RNGs derive from (seed, step): a run resumed from a checkpoint replays exactly.
+Sampling RNGs derive from (seed, step): a run resumed from a checkpoint replays exactly. Steps
+are logged in order and never twice: a rollback reloads the weights and optimizer states of the
+last checkpoint and the run goes on at the next step number.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -23,6 +27,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from stppo import tracking as K
+from stppo.algos import group_signal_fractions
+from stppo.alarms import AlarmSet
 from stppo.batch import Batch
 from stppo.cache import content_hash
 from stppo.config import Config
@@ -32,6 +38,7 @@ from stppo.rollout import RolloutConfig, rollout
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
 from stppo.train.prepare import prepare_batch
+from stppo.train.samples import SampleRecorder
 from stppo.train.setup import Components
 from stppo.train.update import (UpdateContext, actor_update, critic_update,
                                 old_log_probs_from_update)
@@ -110,12 +117,21 @@ class Trainer:
                                              weight_decay=tr.weight_decay) if comps.critic else None)
         self.detector = CollapseDetector(tr.collapse)
         self.ctx = UpdateContext(cfg.algo, tr, torch.Generator(), dist=dist,
-                                 precision=comps.precision)
+                                 precision=comps.precision,
+                                 max_turns=cfg.task.max_turns if cfg.diagnostics.per_turn else 0)
         self.skip_old = old_log_probs_from_update(cfg)
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
         self.logged = {"train": -1, "val": -1}
+        self.alarms = AlarmSet(tr.alarm)
+        self.rollbacks = 0
+        self.snapshot: dict | None = None  # on_alarm=rollback: the last checkpoint, in memory
+        self.stop_reason: str | None = None
+        dg = cfg.diagnostics
+        questions = {q.id: q for q in comps.task.split("train")}
+        self.samples = SampleRecorder(dg.samples_every, dg.samples_count, tr.collapse.patience,
+                                      comps.tokenizer, questions, comps.precision)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -124,7 +140,8 @@ class Trainer:
                 "actor_opt": self.actor_opt.state_dict(),
                 "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
                 "detector": self.detector.state_dict(), "opt_steps": self.ctx.opt_steps,
-                "val_history": self.val_history, "run_id": self.tracker.run_id}
+                "val_history": self.val_history, "run_id": self.tracker.run_id,
+                "alarms": self.alarms.state_dict(), "rollbacks": self.rollbacks}
 
     def load_state_dict(self, s: dict) -> None:
         self.step = s["step"]
@@ -136,12 +153,44 @@ class Trainer:
         self.detector.load_state_dict(s["detector"])
         self.ctx.opt_steps = s["opt_steps"]
         self.val_history = [tuple(x) for x in s["val_history"]]
+        if "alarms" in s:
+            self.alarms.load_state_dict(s["alarms"])
+            self.rollbacks = s["rollbacks"]
+        self._scale_lrs()
+
+    def _load_weights(self, s: dict) -> None:
+        """Policy, critic and optimizer states of checkpoint `s` (a rollback keeps the step, the
+        detector, the alarms and the history: the logged series stays in step order)."""
+        self.c.policy.load_state_dict(s["policy"])
+        self.actor_opt.load_state_dict(s["actor_opt"])
+        if self.c.critic is not None:
+            self.c.critic.load_state_dict(s["critic"])
+            self.critic_opt.load_state_dict(s["critic_opt"])
+        self._scale_lrs()
+
+    def _scale_lrs(self) -> None:
+        """Learning rates = the configured ones × rollback_lr_factor ** rollbacks."""
+        tr = self.cfg.trainer
+        scale = tr.rollback_lr_factor ** self.rollbacks
+        for opt, lr in ((self.actor_opt, tr.actor_lr), (self.critic_opt, tr.critic_lr)):
+            for g in opt.param_groups if opt is not None else ():
+                g["lr"] = lr * scale
+
+    def _save(self) -> None:
+        if self.cfg.trainer.on_alarm == "rollback":  # every rank keeps it: rollbacks stay in step
+            self.snapshot = copy.deepcopy({k: v for k, v in self.state_dict().items()
+                                           if k in ("policy", "critic", "actor_opt", "critic_opt")})
+        every = self.cfg.trainer.save_every
+        if every and self.step > 0 and self.step % every == 0 and self.dist.is_main:
+            checkpoint.save(self.run_dir, self.state_dict())
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> float:
         cfg, tr = self.cfg, self.cfg.trainer
         if self.step == 0:
             self._validate(0)
+        if tr.on_alarm == "rollback" and self.snapshot is None:
+            self._save()  # the start (step 0, or the resumed checkpoint) is the first fallback
         bar = tqdm(total=tr.total_steps, initial=self.step, desc=f"{cfg.algo.name} seed {cfg.seed}",
                    disable=not tr.progress or not self.dist.is_main, dynamic_ncols=True)
         while self.step < tr.total_steps:
@@ -150,16 +199,19 @@ class Trainer:
             self._log(self.step, metrics)
             if self._val_due(self.step):
                 self._validate(self.step)
-            if tr.save_every and self.step % tr.save_every == 0 and self.dist.is_main:
-                checkpoint.save(self.run_dir, self.state_dict())
+            if tr.save_every and self.step % tr.save_every == 0:
+                self._save()
             bar.update(1)
             bar.set_postfix(success=f"{metrics[K.SUCCESS_RATE]:.2f}",
                             val=f"{self.val_history[-1][1]:.2f}" if self.val_history else "-")
             if self.detector.detected and (tr.stop_on_collapse or self.detector.reason.startswith("non-finite")):
                 log.warning("stppo: run collapsed at step %d (%s); stopping", self.detector.collapse_step,
                             self.detector.reason)
+                self.stop_reason = f"collapse at step {self.detector.collapse_step}"
+            if self.stop_reason is not None:
                 if self.val_history[-1][0] != self.step:
                     self._validate(self.step)
+                self.tracker.set_tags({"stopped": self.stop_reason})
                 break
         bar.close()
         return self.objective()
@@ -187,6 +239,8 @@ class Trainer:
         if c.critic is not None:
             metrics.update(critic_update(c.critic, self.critic_opt, batch, self.ctx))
         metrics.update(env_metrics(rolled))  # the step's own rollout: before any DAPO filtering
+        if cfg.trainer.group_size > 1:
+            metrics.update(group_signal_fractions(rolled.scores, rolled.group_ids))
         metrics.update(dapo_metrics)
         t_step = time.perf_counter() - t0
         metrics.update({K.ROLLOUT_TIME: t_roll, K.UPDATE_TIME: t_step - t_roll, K.STEP_TIME: t_step,
@@ -198,7 +252,33 @@ class Trainer:
         metrics[K.COLLAPSE_DETECTED] = float(self.detector.detected)
         if self.detector.detected and not was:
             metrics[K.COLLAPSE_STEP] = float(self.detector.collapse_step)
+        self._on_alarms(step, metrics)
+        if d.is_main:
+            self.samples.capture(step, batch, c.policy)
+            due = self.samples.due(step, self.detector.collapse_step, self.detector.detected and not was)
+            for s, table in due:
+                self.tracker.log_table(K.samples_artifact(s), table)
+            if due:
+                self.tracker.set_tags({K.TAG_SAMPLES_STEPS: ",".join(map(str, self.samples.written))})
         return metrics
+
+    def _on_alarms(self, step: int, metrics: dict[str, float]) -> None:
+        """Feed the alarms; log `alarm/<name>` for the ones that fire, then act (trainer.on_alarm)."""
+        tr = self.cfg.trainer
+        fired = self.alarms.update(step, metrics)
+        metrics.update({K.alarm_key(n): 1.0 for n in fired})
+        if fired and tr.on_alarm == "stop":
+            self.stop_reason = f"alarm {', '.join(fired)} at step {step}"
+            log.warning("stppo: %s; stopping (trainer.on_alarm=stop)", self.stop_reason)
+        elif fired and tr.on_alarm == "rollback" and self.rollbacks < tr.max_rollbacks:
+            self.rollbacks += 1
+            self._load_weights(self.snapshot)
+            self.alarms.rearm(fired)
+            log.warning("stppo: alarm %s at step %d; rolled back to the last checkpoint, learning "
+                        "rates x%g (rollback %d of at most %d)", ", ".join(fired), step,
+                        tr.rollback_lr_factor ** self.rollbacks, self.rollbacks, tr.max_rollbacks)
+        if tr.on_alarm == "rollback":
+            metrics[K.COLLAPSE_ROLLBACKS] = float(self.rollbacks)
 
     def _val_due(self, step: int) -> bool:
         every = self.cfg.trainer.val_every

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from stppo.algos import (agg_loss, agg_weights, clip_bias_grad_norm, clip_bias_term, clipped_surrogate,
-                         explained_variance, importance_ratio, kl_loss, policy_loss, value_loss)
+                         explained_variance, importance_ratio, kl_loss, policy_loss,
+                         sampler_mismatch, turn_breakdown, value_loss)
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, Config, TrainerConfig
 from stppo.models import Precision, policy_log_probs
@@ -35,6 +36,7 @@ class UpdateContext:
     nan_at_first_minibatch: bool = False  # fault injection for tests (trainer.debug_nan_steps)
     dist: Dist = Dist()  # data parallelism (stppo.train.distributed); one process by default
     precision: Precision = Precision()  # autocast for the forwards (stppo.models.precision)
+    max_turns: int = 0  # > 0: log the per-turn breakdown of turns 0..max_turns-1
 
     @property
     def minibatch_rows(self) -> int:
@@ -76,20 +78,18 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
                                positions=mb.loss_mask)  # (n, T) each, agent tokens only
     old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()  # on-policy: π_old = π_θ
     corr = _correction(algo)
-    extra, extra_m = loss_extras(algo, mb, old)  # baselines: loss_mode, options, TIS weights
+    extra = loss_extras(algo, mb, old)  # baselines: loss_mode, options, TIS weights
     loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids,
                           ratio_level=algo.ratio_level, clip_low=algo.clip_low,
                           clip_high=algo.clip_high, loss_agg=algo.loss_agg, correction=corr,
                           dual_clip=algo.dual_clip, global_denoms=denoms, reduce=d.reduce,
                           params=params if corr is not None and corr.estimator == "grad" else None,
                           **extra)
-    m.update(extra_m)
     m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
+    m.update(_diagnostics(lp, ent, old, mb, ctx))
     every = ctx.trainer.exact_clip_bias_every
     if every and ctx.opt_steps % every == 0:  # exact ‖C‖ from the same forward graph
-        ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, algo.ratio_level)
-        adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
-        clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
+        ratio, adv, clipped = _ratio_clipped(lp, old, mb, algo)
         w = agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
         term = clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
         m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, d.reduce)
@@ -103,6 +103,29 @@ def _actor_loss(policy, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, di
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * entropy
     return loss, m
+
+
+def _ratio_clipped(lp: torch.Tensor, old: torch.Tensor, mb: Batch, algo: AlgoConfig):
+    """(ρ at the preset's ratio level (with lp's graph), masked A, κ the clip-bound indicator)."""
+    ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, algo.ratio_level)
+    adv = torch.where(mb.loss_mask, mb.advantages, 0.0)
+    clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
+    return ratio, adv, clipped
+
+
+def _diagnostics(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
+                 ctx: UpdateContext) -> dict[str, torch.Tensor]:
+    """The minibatch's per-turn breakdown and sampler-vs-trainer mismatch (DESIGN.md §4)."""
+    m: dict[str, torch.Tensor] = {}
+    if ctx.max_turns:
+        with torch.no_grad():
+            ratio, _, clipped = _ratio_clipped(lp.detach(), old, mb, ctx.algo)
+        m.update(turn_breakdown(ratio, lp, old, mb.advantages, ent, clipped, mb.loss_mask,
+                                mb.turn_ids, ctx.max_turns))
+    if mb.rollout_log_probs is not None:
+        m.update(sampler_mismatch(old, mb.rollout_log_probs, mb.loss_mask,
+                                  ctx.algo.rollout_is.threshold))
+    return m
 
 
 def _step(loss: torch.Tensor, params: list, optimizer, max_norm: float,
