@@ -4,13 +4,11 @@ temporary folder, so tests that build the same tiny setup share it, as a study's
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from servers import free_port, wait_healthy  # noqa: F401 (re-exported: `from conftest import ...`)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -62,26 +60,3 @@ def tiny_cfg(tmp_path):
         return compose(TINY_OVERRIDES + [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
                                          f"trainer.out_dir={tmp_path}/runs", *extra])
     return make
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path | None = None) -> None:
-    """Poll `url` until it answers 200; fail early, with the server's log, if `proc` exits."""
-    tail = (lambda: log.read_text()[-3000:]) if log is not None else (lambda: "")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered: {tail()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout}s: {tail()}")

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from local_model import make_local_model
-from test_verl_overrides import _plugin_config_class, verl_compose
+from test_verl_overrides import verl_compose
 
 from stppo.config import compose, to_config
 from stppo.envs.actions import INVALID_ACTION_OBSERVATION
@@ -31,7 +31,6 @@ def job(tmp_path, *extra: str):
 
 
 def verl_config(cfg, converted):
-    _plugin_config_class()
     files = O.JobFiles(str(converted.train), str(converted.val), str(converted.tool_config), "/ckpt")
     return verl_compose(O.verl_overrides(cfg, files))
 

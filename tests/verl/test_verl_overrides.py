@@ -68,10 +68,11 @@ def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, mode
     loss = b["actor"].policy_loss
     assert type(loss).__name__ == "StppoPolicyLossConfig" and loss.loss_mode == f"stppo_{preset}"
     assert (loss.tau, loss.estimator, loss.granularity) == (cfg.algo.correction.tau, "token", "batch")
-    assert b["algorithm"].adv_estimator == p.advantage
+    assert b["algorithm"].adv_estimator == O.ADV_ESTIMATORS[p.advantage]
     assert (b["critic"] is not None) == p.uses_critic
     a = b["actor"]
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (
+        cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.loss_agg)
     assert a.ppo_mini_batch_size == cfg.trainer.minibatch_size // cfg.trainer.group_size
     assert (a.optim.lr, a.ppo_epochs) == (cfg.trainer.actor_lr, cfg.trainer.ppo_epochs)
     r = b["rollout"]
@@ -103,3 +104,34 @@ def test_a_group_preset_takes_its_group_size(model_dir):
                            "trainer.minibatch_size=1280", "model=qwen2_5_3b"], model_dir, hub_id=QWEN["qwen2_5_3b"])
     assert b["rollout"].n == 5 and b["actor"].ppo_mini_batch_size == 256
     assert b["algorithm"].adv_estimator == "grpo" and b["critic"] is None and not c.critic.enable
+
+
+def test_the_baselines_settings_reach_verl(model_dir):
+    """dapo: clip-higher, token-mean, verl's group filtering and its DAPO reward manager with the
+    overlong buffer; sapo: the loss options on the policy-loss config; TIS: verl's rollout IS."""
+    cfg, c, b = translate([*SMALL, "algo=dapo", "algo.overlong.buffer_len=64", f"model.path={model_dir}"],
+                          model_dir)
+    a, algo = b["actor"], b["algorithm"]
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert algo.filter_groups.enable and algo.filter_groups.metric == "reward"
+    assert algo.filter_groups.max_num_gen_batches == cfg.algo.dynamic_sampling.max_rounds + 1
+    assert c.reward.reward_manager.name == "dapo"
+    ob = c.reward.reward_kwargs.overlong_buffer_cfg
+    assert ob.enable and ob.len == 64 and c.reward.reward_kwargs.max_resp_len == c.data.max_response_length
+    assert a.clip_ratio_c == O.NO_DUAL_CLIP  # stppo's dual_clip=null
+
+    cfg, c, b = translate([*SMALL, "algo=sapo", "algo.loss_options.tau_pos=2.5", f"model.path={model_dir}"],
+                          model_dir)
+    assert dict(b["actor"].policy_loss.options) == dict(cfg.algo.loss_options)
+    assert b["actor"].policy_loss.options["tau_pos"] == 2.5
+
+    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_is.kind=token", "algo.rollout_is.threshold=3.0",
+                           f"model.path={model_dir}"], model_dir)
+    rc = b["algorithm"].rollout_correction
+    assert (rc["rollout_is"], rc["rollout_is_threshold"]) == ("token", 3.0)
+
+
+def test_a_loss_mode_other_than_the_presets_is_one_clear_error(model_dir):
+    with pytest.raises(ValueError, match="algo.loss_mode=cispo differs from preset ppo"):
+        translate([*SMALL, "algo=ppo", "algo.loss_mode=cispo", "algo.clip_low=0.99",
+                   f"model.path={model_dir}"], model_dir)

@@ -54,7 +54,7 @@ def corpus_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(corpus_file):
-    from conftest import free_port
+    from servers import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus", str(corpus_file),
@@ -83,7 +83,7 @@ def test_the_tool_answers_from_the_shipped_server_with_search_r1s_information_te
 
 
 def test_a_retriever_error_becomes_an_observation_not_a_crash(tmp_path):
-    from conftest import free_port
+    from servers import free_port
 
     tool = tools_from(tmp_path, {"kind": "http", "url": f"http://127.0.0.1:{free_port()}", "timeout_s": 1,
                                  "retries": 0})
@@ -163,7 +163,7 @@ def test_verls_agent_loop_runs_an_episode_with_the_tool_parser_and_reward(turns,
     the inference server is scripted. The observation is masked out, turns = 2 x agent turns, and
     compute_score scores the episode from the decoded response as verl's reward manager passes it."""
     import hydra
-    from test_verl_overrides import _plugin_config_class, verl_compose
+    from test_verl_overrides import verl_compose
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
@@ -175,7 +175,6 @@ def test_verls_agent_loop_runs_an_episode_with_the_tool_parser_and_reward(turns,
     cfg = to_config(compose(["backend=verl", "trainer.warmstart.enabled=false", "task.prompt_style=search_r1",
                              "trainer.rollout.max_total_tokens=1024", f"model.path={tokenizer.name_or_path}"]))
     tool = tools_from(tmp_path, {"kind": "bm25", "corpus": str(corpus_file)})
-    _plugin_config_class()
     c = verl_compose(O.verl_overrides(cfg, O.JobFiles("/t.parquet", "/v.parquet", "/tools.yaml", "/ckpt")))
     server = ScriptedServer(tokenizer, turns)
     messages = D.row(Question("q", "capital of France", ("Paris",)), "train", 0, "test")["prompt"]

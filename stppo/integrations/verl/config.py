@@ -14,13 +14,13 @@ disabled. Invalid knobs fail when verl instantiates the actor config, with one l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from verl.workers.config import PolicyLossConfig
 
 from stppo.integrations.verl import plugin  # noqa: F401 — first: registers, or warns and raises
-from stppo.algos import PRESETS  # noqa: E402
+from stppo.algos import PRESETS, resolve_options  # noqa: E402
 from stppo.integrations.verl import LOSS_PREFIX, POLICY_LOSS_TARGET  # noqa: E402
 from stppo.integrations.verl.losses import GRAD_ESTIMATOR_ERROR  # noqa: E402
 
@@ -34,17 +34,19 @@ class StppoPolicyLossConfig(PolicyLossConfig):
     tau: τ of the preset's correction (None: the preset's, `stppo.algos.DEFAULT_TAU`).
     estimator: 'token' only — 'grad' needs the policy parameters, which verl's loss never sees.
     granularity: 'batch' (one λ per micro-batch under verl) or 'sequence' (λ_i per trajectory).
+    options: the loss mode's options (e.g. sapo's tau_pos / tau_neg) over the preset's.
     """
 
     tau: Optional[float] = None
     estimator: str = "token"
     granularity: str = "batch"
+    options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.estimator == "grad":
             raise ValueError(f"actor.policy_loss.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
         if not self.loss_mode.startswith(LOSS_PREFIX):
-            if (self.tau, self.estimator, self.granularity) != (None, "token", "batch"):
+            if (self.tau, self.estimator, self.granularity, dict(self.options)) != (None, "token", "batch", {}):
                 raise ValueError(f"actor.policy_loss.tau/estimator/granularity act on the stppo_* "
                                  f"loss modes only, got loss_mode={self.loss_mode!r}")
             return
@@ -54,5 +56,6 @@ class StppoPolicyLossConfig(PolicyLossConfig):
                              f"loss; allowed: {', '.join(LOSS_PREFIX + p for p in PRESETS)}")
         try:
             PRESETS[name].correction_spec(self.tau, self.estimator, self.granularity)
+            resolve_options(PRESETS[name].loss_mode, {**PRESETS[name].options, **dict(self.options)})
         except ValueError as exc:
             raise ValueError(f"actor.policy_loss ({self.loss_mode}): {exc}") from None

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from stppo.algos import Preset, policy_loss
+from stppo.algos import LOSS_MODES, Preset, policy_loss
 from stppo.algos.aggregation import agg_denoms
 from stppo.algos.presets import POLICY_LOSS_KEYWORDS
 from stppo.algos.ratios import importance_ratio
@@ -97,12 +97,12 @@ def dual_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, loss_mask:
         return hit.sum().to(ratio.dtype) / n
 
 
-def _knobs(config: Any) -> tuple[Optional[float], str, str]:
-    """(τ, estimator, granularity) from `config.policy_loss` (StppoPolicyLossConfig), or the
-    defaults when verl's plain PolicyLossConfig carries none of them."""
+def _knobs(config: Any) -> tuple[Optional[float], str, str, dict]:
+    """(τ, estimator, granularity, loss-mode options) from `config.policy_loss`
+    (StppoPolicyLossConfig), or the defaults when verl's plain PolicyLossConfig has none."""
     pl = getattr(config, "policy_loss", None)
     return (getattr(pl, "tau", None), getattr(pl, "estimator", "token"),
-            getattr(pl, "granularity", "batch"))
+            getattr(pl, "granularity", "batch"), dict(getattr(pl, "options", None) or {}))
 
 
 def _clip_ranges(config: Any) -> tuple[float, float, float]:
@@ -120,15 +120,18 @@ def verl_call_kwargs(preset: Preset, loss_agg_mode: str, config: Any,
     if config is None:
         raise ValueError("stppo's verl losses need verl's actor config (config=None)")
     loss_agg = verl_loss_agg(loss_agg_mode)
-    tau, estimator, granularity = _knobs(config)
+    tau, estimator, granularity, options = _knobs(config)
     if estimator == "grad":
         raise ValueError(GRAD_ESTIMATOR_ERROR)
     clip_low, clip_high, dual_clip = _clip_ranges(config)
+    if not LOSS_MODES[preset.loss_mode].dual_clip:  # verl's c applies to the modes that have one
+        dual_clip = None
     info = getattr(config, "global_batch_info", None) or {}
+    extra = {"options": {**preset.options, **options}} if options else {}
     return preset.loss_kwargs(
         loss_agg=loss_agg, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
         correction=preset.correction_spec(tau, estimator, granularity),
-        global_denoms=verl_global_denoms(loss_mask, loss_agg, **dict(info)))
+        global_denoms=verl_global_denoms(loss_mask, loss_agg, **dict(info)), **extra)
 
 
 def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -160,8 +163,9 @@ def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str
         with torch.no_grad():
             ratio, _ = importance_ratio(log_prob.detach(), old_log_prob, mask, turn_ids,
                                         kwargs["ratio_level"])  # (N, T)
-            metrics[PG_CLIPFRAC_LOWER] = dual_clip_fraction(ratio, advantages, mask,
-                                                            kwargs["dual_clip"])
+            metrics[PG_CLIPFRAC_LOWER] = (
+                dual_clip_fraction(ratio, advantages, mask, kwargs["dual_clip"])
+                if kwargs["dual_clip"] is not None else ratio.new_zeros(()))
         return loss, metrics_to_floats(metrics)
 
     loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(preset.name)

@@ -9,6 +9,10 @@ is rejected by `check_translatable` when it would change the run):
                              advantage → algorithm.adv_estimator, its critic → critic.enable
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
   algo.loss_agg              actor.loss_agg_mode
+  algo.loss_options          policy_loss.options (the stppo_* loss of a preset with a loss_mode)
+  algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
+  algo.dynamic_sampling      algorithm.filter_groups (enable, metric=reward, max_num_gen_batches)
+  algo.overlong              reward.reward_manager.name=dapo, reward.reward_kwargs.overlong_buffer_cfg
   algo.kl (coef, estimator)  in_reward: algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.kl_coef;
                              else actor.use_kl_loss, kl_loss_coef, kl_loss_type
   algo.gamma/lam             algorithm.gamma/lam
@@ -85,7 +89,8 @@ def check_translatable(cfg: Config) -> None:
     a, t = cfg.algo, cfg.trainer
     p = PRESETS[a.name]
     fixed = {"algo.ratio_level": (a.ratio_level, p.ratio_level), "algo.advantage": (a.advantage, p.advantage),
-             "algo.correction.kind": (a.correction.kind, p.correction), "algo.use_critic": (a.use_critic, p.uses_critic)}
+             "algo.correction.kind": (a.correction.kind, p.correction), "algo.use_critic": (a.use_critic, p.uses_critic),
+             "algo.loss_mode": (a.loss_mode, p.loss_mode)}
     for key, (mine, preset) in fixed.items():
         if mine != preset:
             raise ValueError(f"{key}={mine} differs from preset {a.name} ({preset}); with backend=verl the policy "
@@ -144,6 +149,19 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
                   "algorithm.kl_ctrl.kl_coef": a.kl.coef})
+    if a.rollout_is.kind != "none":  # verl computes the TIS weights and passes them to the loss
+        o.update({"algorithm.rollout_correction.rollout_is": a.rollout_is.kind,
+                  "algorithm.rollout_correction.rollout_is_threshold": a.rollout_is.threshold})
+    if a.dynamic_sampling.enabled:  # verl's own group filtering (its refill rule, not stppo's)
+        o.update({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "reward",
+                  "algorithm.filter_groups.max_num_gen_batches": a.dynamic_sampling.max_rounds + 1})
+    if a.overlong.enabled:  # verl's DAPO reward manager: the penalty over the response's last tokens
+        r = "+reward.reward_kwargs"
+        o.update({"reward.reward_manager.name": "dapo", f"{r}.overlong_buffer_cfg.enable": True,
+                  f"{r}.overlong_buffer_cfg.len": a.overlong.buffer_len,
+                  f"{r}.overlong_buffer_cfg.penalty_factor": a.overlong.penalty_factor,
+                  f"{r}.overlong_buffer_cfg.log": False,
+                  f"{r}.max_resp_len": cfg.trainer.rollout.max_total_tokens - cfg.backend.max_prompt_length})
     return o
 
 
@@ -153,6 +171,7 @@ def _actor(cfg: Config) -> dict[str, Any]:
     o: dict[str, Any] = {
         f"{pl}.loss_mode": loss_mode(a.name), f"{pl}._target_": LOSS_CONFIG_TARGET,
         **{f"+{pl}.{name}": value for name, value in zip(LOSS_FIELDS, (c.tau, c.estimator, c.granularity))},
+        **{f"+{pl}.options.{k}": v for k, v in a.loss_options.items()},
         f"{ACTOR}.clip_ratio_low": a.clip_low, f"{ACTOR}.clip_ratio_high": a.clip_high,
         f"{ACTOR}.loss_agg_mode": a.loss_agg, f"{ACTOR}.entropy_coeff": a.entropy_coef,
         f"{ACTOR}.use_kl_loss": a.kl.coef > 0 and not a.kl.in_reward,
