@@ -11,7 +11,7 @@ VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.setup-stamp
 VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout
 
-.PHONY: setup demo test verl-env
+.PHONY: setup demo test verl-env gpu-check
 
 setup: $(STAMP)
 
@@ -44,3 +44,7 @@ demo: setup
 test: setup verl-env
 	$(BIN)/python -m pytest
 	$(VERL_BIN)/python -m pytest tests/verl
+
+# On a CUDA machine: SmolLM2-135M, st_ppo, 5 steps under bf16 autocast, then the benchmarks.
+gpu-check: setup
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh

@@ -75,6 +75,7 @@ STEP_TIME = "perf/step_time_s"
 ROLLOUT_TIME = "perf/rollout_time_s"
 UPDATE_TIME = "perf/update_time_s"
 TOKENS_PER_S = "perf/tokens_per_s"
+GPU_PEAK_MEM = "perf/gpu_peak_mem_gb"  # CUDA runs: peak memory allocated by this process so far
 
 # --- collapse ----------------------------------------------------------------------------------
 COLLAPSE_DETECTED = "collapse/detected"

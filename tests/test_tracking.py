@@ -132,6 +132,9 @@ def test_server_killed_mid_run_and_restarted_loses_no_step(server, tiny_cfg, tmp
     h = _history(client, r.info.run_id)
     assert len(h) > 20
     for key, steps in h.items():
+        if K.parse_turn_key(key) is not None:  # a turn no trajectory reached at a step has no value
+            assert set(steps) <= {1, 2, 3, 4, 5} and len(steps) == len(set(steps)), f"{key}: {steps}"
+            continue
         assert sorted(steps) == ([0, 5] if key == K.VAL_SUCCESS_RATE else [1, 2, 3, 4, 5]), f"{key}: {steps}"
 
 

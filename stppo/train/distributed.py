@@ -51,13 +51,20 @@ class Dist:
         return self.rank == 0
 
     # -- collectives (identity for a single process) -------------------------------------------
+    @property
+    def collective_device(self) -> torch.device:
+        """Where collectives run: this rank's GPU under NCCL, the CPU under gloo."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Σ over ranks of `x` (a new tensor; `x` is not modified)."""
+        """Σ over ranks of `x` (a new tensor on x's device; `x` is not modified)."""
         if not self.active:
             return x
-        y = x.detach().clone()
+        y = x.detach().clone().to(self.collective_device)
         dist.all_reduce(y, op=dist.ReduceOp.SUM)
-        return y
+        return y.to(x.device)
 
     @property
     def reduce(self):
@@ -98,13 +105,14 @@ class Dist:
         every: list = [None] * self.world
         dist.all_gather_object(every, sorted(metrics))
         keys = sorted(set().union(*every))
-        has = torch.tensor([k in metrics for k in keys], dtype=torch.float64)
-        x = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        dev = self.collective_device
+        has = torch.tensor([k in metrics for k in keys], dtype=torch.float64, device=dev)
+        x = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
         how = [reduce_name(k) for k in keys]
         mx = torch.where(has > 0, x, float("-inf"))
         mn = torch.where(has > 0, x, float("inf"))
-        mx[[h != "max" for h in how]] = float("-inf")
-        mn[[h != "min" for h in how]] = float("inf")
+        mx[torch.tensor([h != "max" for h in how], device=dev)] = float("-inf")
+        mn[torch.tensor([h != "min" for h in how], device=dev)] = float("inf")
         for t, op in ((x, dist.ReduceOp.SUM), (has, dist.ReduceOp.SUM), (mx, dist.ReduceOp.MAX),
                       (mn, dist.ReduceOp.MIN)):
             dist.all_reduce(t, op=op)
@@ -137,6 +145,8 @@ def init(device: torch.device) -> Dist:
     d = from_env()
     if d.active and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and all_gather_object use the current device
         dist.init_process_group(backend=backend)
         log.info("data parallel: rank %d of %d (%s)", d.rank, d.world, backend)
     return d

@@ -120,6 +120,7 @@ class Trainer:
                                  precision=comps.precision,
                                  max_turns=cfg.task.max_turns if cfg.diagnostics.per_turn else 0)
         self.skip_old = old_log_probs_from_update(cfg)
+        self.device = next(comps.policy.parameters()).device
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
@@ -227,6 +228,7 @@ class Trainer:
             rolled = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
             # DAPO's dynamic sampling / overlong shaping, when on (else the rollout itself):
             batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, rollout_config(cfg), step, salt)
+        batch = batch.to(self.device)  # the rollout packs on the CPU; the update runs on the model's
         t_roll = time.perf_counter() - t0
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
                                        precision=c.precision, skip_old=self.skip_old)
@@ -245,6 +247,8 @@ class Trainer:
         t_step = time.perf_counter() - t0
         metrics.update({K.ROLLOUT_TIME: t_roll, K.UPDATE_TIME: t_step - t_roll, K.STEP_TIME: t_step,
                         K.TOKENS_PER_S: float(batch.attention_mask.sum()) / t_step})
+        if self.device.type == "cuda":
+            metrics[K.GPU_PEAK_MEM] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics = d.reduce_metrics(metrics)  # one value per key on every rank
         metrics[K.TOKENS_PER_S] *= d.world  # the mean over ranks → the group's throughput
         was = self.detector.detected

@@ -38,7 +38,7 @@ def train_sft(policy, tokenizer, episodes, ws: WarmStartConfig, *, seed: int,
               progress: bool = True, precision: Precision = Precision()) -> list[float]:
     """Fit `policy` to the episodes' agent tokens; returns the loss curve. The forward runs under
     the run's `precision` (autocast), the optimizer steps its (float32) parameters."""
-    batch = collate_episodes(tokenizer, episodes)
+    batch = collate_episodes(tokenizer, episodes).to(next(policy.parameters()).device)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=ws.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, ws.warmup_steps, ws.steps))
