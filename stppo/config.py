@@ -240,6 +240,21 @@ class WarmStartConfig:
 
 
 @dataclass
+class CriticWarmStartConfig:
+    """Fit the critic to the warm-started policy's Monte-Carlo returns before RL
+    (stppo.train.critic_warmstart); GAE presets only."""
+    enabled: bool = False
+    questions: int = 128  # training questions rolled out (x trainer.group_size samples each)
+    steps: int = 200  # AdamW steps of the value loss
+    lr: float = 1.0e-3
+    batch_size: int = 32  # trajectories per step
+
+    def __post_init__(self) -> None:
+        _check(self.questions >= 5 and self.steps >= 1 and self.batch_size >= 1 and self.lr > 0,
+               "trainer.critic_warmstart: questions >= 5, steps >= 1, batch_size >= 1, lr > 0")
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 40
     questions_per_step: int = 16
@@ -264,6 +279,7 @@ class TrainerConfig:
     debug_nan_steps: list[int] = field(default_factory=list)  # fault injection: NaN loss at these steps
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    critic_warmstart: CriticWarmStartConfig = field(default_factory=CriticWarmStartConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     # Early warning (stppo.alarms): the online alarms watched every step, and what an alarm does:
     # none (log `alarm/<indicator>` only), stop (end the run after a last validation), rollback

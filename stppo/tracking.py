@@ -59,6 +59,11 @@ ADV_MAX = "critic/advantages_max"
 ADV_MIN = "critic/advantages_min"
 RETURNS_MEAN = "critic/returns_mean"
 VALUES_MEAN = "critic/values_mean"
+# critic warm start (trainer.critic_warmstart), logged once at step 0: held-out explained variance
+# of the critic before and after its fit to the warm-started policy's Monte-Carlo returns
+CRITIC_WS_EV_BEFORE = "critic_warmstart/explained_var_before"
+CRITIC_WS_EV_AFTER = "critic_warmstart/explained_var_after"
+CRITIC_WS_LOSS = "critic_warmstart/value_loss"
 
 # --- environment -------------------------------------------------------------------------------
 SUCCESS_RATE = "env/success_rate"

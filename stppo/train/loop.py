@@ -189,6 +189,8 @@ class Trainer:
     def train(self) -> float:
         cfg, tr = self.cfg, self.cfg.trainer
         if self.step == 0:
+            if self.c.critic_warmstart:
+                self.tracker.log(0, self.c.critic_warmstart)
             self._validate(0)
         if tr.on_alarm == "rollback" and self.snapshot is None:
             self._save()  # the start (step 0, or the resumed checkpoint) is the first fallback

@@ -7,7 +7,7 @@ import copy
 import fcntl
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ class Components:
     ref: torch.nn.Module | None
     warmstart_loss: float | None
     precision: Precision = Precision()  # params float32, compute under autocast when mixed
+    critic_warmstart: dict = field(default_factory=dict)  # its metrics, logged at step 0
 
 
 def device_of(cfg: Config) -> torch.device:
@@ -75,7 +76,12 @@ def build_components(cfg: Config, *, progress: bool = True) -> Components:
     # The frozen reference is held in the compute dtype (half the memory under bf16 autocast).
     ref = (reference_model(policy, precision.compute_dtype if precision.mixed else None)
            if cfg.algo.kl.coef > 0 else None)
-    return Components(task, env, tokenizer, policy, critic, ref, ws_loss, precision)
+    comps = Components(task, env, tokenizer, policy, critic, ref, ws_loss, precision)
+    if critic is not None and cfg.trainer.critic_warmstart.enabled:
+        from stppo.train.critic_warmstart import critic_warm_start
+
+        comps.critic_warmstart = critic_warm_start(cfg, comps)
+    return comps
 
 
 def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
