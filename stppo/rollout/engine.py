@@ -4,11 +4,23 @@ Per turn, the active trajectories generate together: the new tokens of each row 
 turn 0; later the previous turn's last sampled token and the observation) are left-padded and
 encoded once (prefill; position ids from the attention mask), on top of the keys/values the row
 kept from its previous turn (`kvcache.py`); then one token per step reusing the KV cache. A row's
-turn ends at a stop tag or EOS (`stopping.py`), at `max_new_tokens`, or at the total-length limit
-— then the trajectory is truncated (scored 0). Finished rows leave the batch (compacted once a
-quarter of it has finished; until then they are fed padding, masked out). Sampled ids are kept
-exactly; their decoded text (special tokens kept) goes to `env.step_batch`, and the observation
-text is tokenised and appended. No progress output: the trainer reports progress.
+turn ends at a stop tag (the env's `stop_tags` when it has that attribute, else `STOP_TAGS`) or
+EOS (`stopping.py`), at `max_new_tokens`, or at the total-length limit — then the trajectory is
+truncated (scored 0). Finished rows leave the batch (compacted once a quarter of it has
+finished; until then they are fed padding, masked out). Sampled ids are kept exactly; their
+decoded text (special tokens kept) goes to `env.step_batch`, and the observation text is
+tokenised and appended. No progress output: the trainer reports progress.
+
+Speed (benchmarks/bench_rollout.py, benchmarks/bench_vs_trl.py). Per decoding step the engine
+does only tensor work on the batch (no per-row Python, no conversion to lists until the turn
+ends): the turn's attention mask is one preallocated buffer filled a column per step; sampled
+ids and log-probs go to (B, S) buffers; for SDPA models the 4-D mask transformers would derive
+from the 2-D one is handed over directly; generation runs in inference mode. None of this
+changes a number. Rows that share a prompt (a GRPO group's samples) are prefilled once and their
+keys/values copied: the same computation on fewer rows, equal bit for bit when the prefill still
+has many rows; with only one or two distinct prompts BLAS picks other kernels for the smaller
+matrices and log-probs may move by ~1e-6 (measured) — as they already do when finished rows are
+compacted out of the batch.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from stppo.batch import Batch
-from stppo.envs.base import AgentEnv, Question
+from stppo.envs.base import STOP_TAGS, AgentEnv, Question
 from stppo.models.logprobs import position_ids_from_mask
 from stppo.rollout.config import RolloutConfig
 from stppo.rollout.episodes import (Trajectory, encode_prompt, encode_texts, pack_batch,
@@ -46,7 +58,8 @@ def rollout(model, tokenizer, env: AgentEnv, questions: Sequence[Question], cfg:
     `group_ids` default: rows with the same question id share a group (numbered by first
     appearance). `generator` makes sampling reproducible (same seed ⇒ same rollout on CPU).
     """
-    stop = StopChecker(tokenizer, eos_token_ids(tokenizer, model))
+    stop = StopChecker(tokenizer, eos_token_ids(tokenizer, model),
+                       getattr(env, "stop_tags", STOP_TAGS))
     pad_id = pad_token_id(tokenizer)
     trajs = [Trajectory(encode_prompt(tokenizer, env.prompt(q))) for q in questions]
     longest = max((len(tr.ids) for tr in trajs), default=0)
@@ -141,13 +154,21 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     mask[:, c0:c0 + width] = (torch.arange(width) >= width - chunk_len[:, None]).to(device)
     ids = torch.tensor([[pad_id] * (width - len(c)) + list(c) for c in chunks], dtype=torch.long)
     pos = position_ids_from_mask(mask[:, :c0 + width])[:, -width:]  # (B, W)
-    logits = model(input_ids=ids.to(device), attention_mask=_prefill_mask(mask, c0, width, mask_4d),
-                   position_ids=pos, past_key_values=past, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]  # (B, V)
+    # Rows with nothing cached and the same new tokens (a group's samples of one prompt) are
+    # prefilled once; their keys/values and next-token logits are then copied to every copy.
+    same = _shared_prompts(chunks, caches)
+    rep = torch.arange(b) if same is None else torch.tensor(same[0])  # (U,) rows prefilled
+    logits = model(input_ids=ids[rep].to(device), position_ids=pos[rep],
+                   attention_mask=_prefill_mask(mask[rep.to(device)], c0, width, mask_4d),
+                   past_key_values=past, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
+    if same is not None:
+        src = torch.tensor(same[1], device=device)  # (B,) each row's prefilled row
+        past.batch_select_indices(src)
+        logits = logits[src]  # (B, V)
     # Row r's real positions: its cached ones (right-aligned in the first C), then its chunk's.
     held_len = held.sum(1).tolist()
-    spans = [((c0 - held_len[r], c0), (c0 + width - len(c), c0 + width)) for r, c in enumerate(chunks)]
-    spans = [((a, e), ) if e0 == a2 else ((a, e0), (a2, e)) for (a, e0), (a2, e) in spans]
+    spans = [((c0 - n, c0), (c0 + width - len(c), c0 + width)) for n, c in zip(held_len, chunks)]
+    spans = [((a, e),) if e0 == a2 else ((a, e0), (a2, e)) for (a, e0), (a2, e) in spans]
     run = _Decode(b, steps, budgets, device)
     return run.loop(model, past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
                     generator=generator, keep_cache=keep_cache, mask_4d=mask_4d)
@@ -201,8 +222,8 @@ class _Decode:
                 tokens = tokens.masked_fill(~live, pad_id)
             mask[:, n] = live
             n += 1
-            logits = model(input_ids=tokens.unsqueeze(1), attention_mask=_step_mask(mask, n, mask_4d),
-                           position_ids=next_pos.unsqueeze(1), past_key_values=past,
+            logits = model(input_ids=tokens.unsqueeze(1), position_ids=next_pos.unsqueeze(1),
+                           attention_mask=_step_mask(mask, n, mask_4d), past_key_values=past,
                            use_cache=True).logits[:, -1]  # (B', V)
             next_pos = next_pos + live
         ids, log_probs = self.ids.tolist(), self.log_probs.tolist()
@@ -219,6 +240,21 @@ class _Decode:
             tail = self.ids[r, max(0, step + 1 - stop.window):step + 1].tolist()
             hit[slot] = stop.text_hit(tail)
         return hit
+
+
+def _shared_prompts(chunks: Sequence[list[int]], caches: Sequence[RowCache]):
+    """When no row has a cache and some chunks repeat: (the first row of each distinct chunk,
+    for every row the index of its chunk among those); else None."""
+    if any(c is not None for c in caches):
+        return None
+    first: dict[tuple[int, ...], int] = {}
+    index = [first.setdefault(tuple(c), len(first)) for c in chunks]
+    if len(first) == len(chunks):
+        return None
+    reps = [0] * len(first)
+    for r in reversed(range(len(chunks))):
+        reps[index[r]] = r
+    return reps, index
 
 
 def _step_mask(mask: torch.Tensor, n: int, mask_4d: bool) -> Optional[torch.Tensor]:

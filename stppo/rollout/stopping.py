@@ -42,11 +42,11 @@ class StopChecker:
         if self.by_token_id:
             ids.update(e[0] for e in encoded)
         self.stop_ids = torch.tensor(sorted(ids), dtype=torch.long)
-        self.window = max(len(t) for t in self.stop_tags)
+        self.window = max((len(t) for t in self.stop_tags), default=0)
         self._ends = None  # (V,) bool: the id's text holds a tag's last character
 
     def hits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B,) sampled ids → (B,) bool: the id itself ends the turn (EOS, or a single-token tag)."""
+        """(B,) sampled ids → (B,) bool: the id itself ends the turn (EOS or a single-token tag)."""
         return torch.isin(tokens, self.stop_ids.to(tokens.device))
 
     def may_end_text(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,8 @@ class StopChecker:
         if self.by_token_id:
             return torch.zeros_like(tokens, dtype=torch.bool)
         if self._ends is None:
-            self._ends = _ids_holding(self.tokenizer, "".join(sorted({t[-1] for t in self.stop_tags})))
+            last_chars = "".join(sorted({t[-1] for t in self.stop_tags}))
+            self._ends = _ids_holding(self.tokenizer, last_chars)
         ends = self._ends.to(tokens.device)
         inside = tokens < len(ends)
         return torch.where(inside, ends[tokens.clamp(max=len(ends) - 1)], True)
