@@ -23,7 +23,8 @@ few MB. In a fresh process glibc serves such blocks from fresh mmap'd pages and 
 after every burst — measured here, ~50,000 minor page faults and ~0.15 s of kernel time per
 rollout, ~15% of its cost — while a trainer has freed far larger blocks (its update's
 forward/backward) before every rollout, after which glibc keeps such blocks on its heap: measured
-here, the rollout then causes no page faults. So the rounds run after a stand-in of that update (one
+here in a loop of rollout, `prepare_batch` and `actor_update` (bench_vs_trl.py's workload), a
+rollout then causes 0–1 page faults. So the rounds run after a stand-in of that update (one
 forward/backward of the policy over a rollout batch); `faults_per_call` shows the state.
 Run: `OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py [--questions N] [--repeats R]`.
 """
