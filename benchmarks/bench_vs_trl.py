@@ -16,7 +16,9 @@ run from a callback at the end of TRL's step and kept off TRL's clock).
 
 stppo's step: `stppo.rollout.rollout` with `stppo.envs.single_turn.SingleTurnEnv` (one turn, no
 stop tags), then `stppo.train.prepare.prepare_batch` and `stppo.train.update.actor_update` with
-the `grpo` preset (token ratio, GRPO advantages, no critic, no KL, seq-mean-token-mean, clip 0.2).
+the `grpo` preset (token ratio, GRPO advantages, no critic, no KL, seq-mean-token-mean, clip 0.2),
+π_old computed as the trainer computes it (where the trainer has
+`stppo.train.update.old_log_probs_from_update`, it skips that forward for this on-policy update).
 
 TRL's step (`GRPOConfig`, read against TRL 1.16's source): per_device_train_batch_size=64,
 num_generations=4 (16 prompts per step), gradient_accumulation_steps=1, steps_per_generation=1,
@@ -28,9 +30,10 @@ mask_truncated_completions=False, max_completion_length=64, temperature=1, top_p
 learning_rate=1e-4, lr_scheduler_type='constant', optim='adamw_torch', max_grad_norm=1,
 bf16/fp16 off, gradient_checkpointing off, use_cpu, no vLLM, no logging, saving or evaluation.
 Remaining differences from stppo's grpo: advantages divide by (group std + 1e-4) in TRL and by
-(group std + 1e-6) in stppo (both the unbiased std); stppo recomputes π_old with a forward pass
-of its own (`prepare_batch`) and runs the LM head over every position, TRL only over completion
-positions; TRL's generation is `model.generate`, stppo's its rollout engine.
+(group std + 1e-6) in stppo (both the unbiased std); TRL runs the LM head over completion
+positions only, and a stppo trainer without `old_log_probs_from_update` recomputes π_old in a
+forward pass of its own and runs the LM head over every position; TRL's generation is
+`model.generate`, stppo's its rollout engine.
 
 Timing: process CPU time with one torch thread (and no tokenizer thread pool), the two sides'
 steps interleaved. The machine is shared (2 vCPUs): other jobs inflate wall time far more than
@@ -63,6 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 try:
@@ -85,6 +89,11 @@ from stppo.models import build_random_model, train_tokenizer  # noqa: E402
 from stppo.rollout import RolloutConfig, encode_prompt, rollout  # noqa: E402
 from stppo.train.prepare import prepare_batch  # noqa: E402
 from stppo.train.update import UpdateContext, actor_update  # noqa: E402
+
+try:  # the trainer's rule for skipping π_old's forward on a provably on-policy update
+    from stppo.train.update import old_log_probs_from_update  # noqa: E402
+except ImportError:  # a trainer that always runs it
+    old_log_probs_from_update = None
 
 ARCH = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 4, "intermediate_size": 512}
@@ -158,13 +167,18 @@ def stppo_trainer(model, tok, prompts: list[str], n_steps: int, seed: int):
     cfg = RolloutConfig(max_new_tokens=MAX_NEW, max_total_tokens=PROMPT_TOKENS[1] + MAX_NEW + 1,
                         temperature=1.0)
     order = step_order(n_steps, seed)
+    # As the trainer's step: π_old from prepare_batch's own forward, unless the trainer knows
+    # the update to be on-policy (here: one epoch, one minibatch of all rows, no KL).
+    skip = old_log_probs_from_update is not None and old_log_probs_from_update(
+        SimpleNamespace(algo=algo, trainer=trainer))
+    prepare_kwargs = {"skip_old": True} if skip else {}
 
     def step(s: int) -> dict:
         qs = [Question(str(i), prompts[i], ()) for i in order[s] for _ in range(GROUP)]
         f0, t0 = _faults(), time.process_time()
         batch = rollout(model, tok, env, qs, cfg, generator=torch.Generator().manual_seed(seed + s))
         t1 = time.process_time()
-        batch, _ = prepare_batch(batch, model, None, None, algo)
+        batch, _ = prepare_batch(batch, model, None, None, algo, **prepare_kwargs)
         ctx.generator.manual_seed(seed + s)
         actor_update(model, opt, batch, ctx)
         t2 = time.process_time()
