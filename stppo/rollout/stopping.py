@@ -57,7 +57,9 @@ class StopChecker:
         if self._ends is None:
             last_chars = "".join(sorted({t[-1] for t in self.stop_tags}))
             self._ends = _ids_holding(self.tokenizer, last_chars)
-        ends = self._ends.to(tokens.device)
+        if self._ends.device != tokens.device:
+            self._ends = self._ends.to(tokens.device)  # once, not every step
+        ends = self._ends
         inside = tokens < len(ends)
         return torch.where(inside, ends[tokens.clamp(max=len(ends) - 1)], True)
 
