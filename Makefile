@@ -1,5 +1,5 @@
-# Entry points: `make demo`, `make test`, `make setup`, `make verl-env`. Each creates/refreshes
-# its virtualenv by itself.
+# Entry points: `make demo`, `make test`, `make setup`, `make verl-env`, `make trl-env`. Each
+# creates/refreshes its virtualenv by itself.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -11,7 +11,15 @@ VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.setup-stamp
 VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout
 
-.PHONY: setup demo test verl-env gpu-check
+# TRL for benchmarks/bench_vs_trl.py only (trl is no dependency of stppo): TRL 1.16 with its own
+# dependencies over the same pinned CPU torch, stppo --no-deps plus what the modules the
+# benchmark imports need (omegaconf for stppo.config, bm25s for stppo.envs).
+TRL_VENV  := .venv-trl
+TRL_BIN   := $(TRL_VENV)/bin
+TRL_STAMP := $(TRL_VENV)/.setup-stamp
+TRL_PINS  := 'trl==1.16.*' 'transformers>=5.0,<6' 'omegaconf==2.4.1rc1' 'bm25s>=0.2'
+
+.PHONY: setup demo test verl-env trl-env gpu-check
 
 setup: $(STAMP)
 
@@ -35,6 +43,15 @@ $(VERL_STAMP): pyproject.toml Makefile
 	$(VERL_BIN)/python -m pip install -q $(VERL_PINS)
 	$(VERL_BIN)/python -m pip install -q --no-deps -e .
 	touch $(VERL_STAMP)
+
+trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP): pyproject.toml Makefile
+	test -x $(TRL_BIN)/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_BIN)/python -m pip install -q torch==2.13.0
+	$(TRL_BIN)/python -m pip install -q $(TRL_PINS)
+	$(TRL_BIN)/python -m pip install -q --no-deps -e .
+	touch $(TRL_STAMP)
 
 demo: setup
 	$(BIN)/python run.py

@@ -7,11 +7,25 @@ questions, 24 new tokens per turn, temperature 1, one CPU thread. Prints, each o
     rollout_over_generate: X   agent tokens/s of `stppo.rollout.rollout` ÷ new tokens/s of one
                                `model.generate` call for the same N prompts producing the rollout's
                                per-row average number of agent tokens (min_new_tokens =
-                               max_new_tokens, sampling) — goal ≥ 0.6
-and the raw throughputs on other lines (best of R interleaved rounds after a warm-up: the
-machine is shared, and the best round is the least disturbed one). The rollout pays
-for what a single `generate` call does not: one prefill per turn over the grown context,
-stop checks, decoding, the env (parsing, retrieval) and observation tokens.
+                               max_new_tokens, sampling) — goal ≥ 0.8
+and the raw throughputs, wall-clock figures and page faults per call on other lines. The rollout
+pays for what a single `generate` call does not: one prefill per turn of the observation tokens
+over the grown context, attention over contexts ~4x longer, stop checks, decoding, the env
+(parsing, retrieval).
+
+Timing: R rounds after a warm-up, each calling the rollout and `generate` once in a fresh random
+order; throughputs from the median process CPU time over the rounds (torch runs on one thread, so
+on an idle machine that is the wall time; on a shared one preemptions inflate wall time, not CPU
+time — see benchmarks/bench_algos.py).
+
+Process state. The rollout's per-turn prefill allocates activations and per-turn KV stacks of a
+few MB. In a fresh process glibc serves such blocks from fresh mmap'd pages and trims its heap
+after every burst — measured here, ~50,000 minor page faults and ~0.15 s of kernel time per
+rollout, ~15% of its cost — while a trainer has freed far larger blocks (its update's
+forward/backward) before every rollout, after which glibc keeps such blocks on its heap: measured
+here in a loop of rollout, `prepare_batch` and `actor_update` (bench_vs_trl.py's workload), a
+rollout then causes 0–1 page faults. So the rounds run after a stand-in of that update (one
+forward/backward of the policy over a rollout batch); `faults_per_call` shows the state.
 Run: `OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py [--questions N] [--repeats R]`.
 """
 
@@ -19,13 +33,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
+import statistics
 import tempfile
 import time
+
+try:
+    import resource  # page-fault counts (POSIX)
+except ImportError:  # pragma: no cover
+    resource = None
 
 import torch
 
 from stppo.envs import BM25Retriever, SearchEnv, build_synthetic_task, tokenizer_texts
-from stppo.models import MODEL_PRESETS, build_random_model, train_tokenizer
+from stppo.models import MODEL_PRESETS, build_random_model, policy_log_probs, train_tokenizer
 from stppo.rollout import RolloutConfig, encode_prompt, rollout
 
 
@@ -49,46 +70,81 @@ def generate_inputs(tok, env, questions) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attn
 
 
-def measure(model, tok, env, questions, cfg, repeats: int) -> tuple[float, float, int, int]:
-    """Best throughputs over `repeats` interleaved rounds (one rollout, one generate each), so
-    both see the same machine load: (rollout tokens/s, generate tokens/s, agent tokens of the
-    warm-up rollout, new tokens per row given to generate)."""
+def update_standin(model, batch) -> None:
+    """One forward/backward of the policy over a rollout batch: what a trainer runs between
+    rollouts (it frees activation blocks far larger than any the rollout allocates)."""
+    model.train()
+    policy_log_probs(model, batch.input_ids, batch.attention_mask).sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
+    """Median CPU/wall seconds and page faults per call of the rollout and of `generate`, over
+    `repeats` rounds in random order, after a warm-up and the update stand-in."""
     warm = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(99))
     per_row = max(1, round(int(warm.loss_mask.sum()) / len(questions)))
     ids, attn = generate_inputs(tok, env, questions)
     kwargs = dict(attention_mask=attn, do_sample=True, top_k=0, min_new_tokens=per_row,
                   max_new_tokens=per_row, pad_token_id=tok.pad_token_id)
-    with torch.no_grad():
-        model.generate(ids, **kwargs)  # warm-up
-    roll_tps, gen_tps = [], []
-    for r in range(repeats):
-        t0 = time.perf_counter()
+    tokens = {}
+
+    def run_rollout(r: int) -> None:
         batch = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(r))
-        roll_tps.append(int(batch.loss_mask.sum()) / (time.perf_counter() - t0))
+        tokens.setdefault("rollout", []).append(int(batch.loss_mask.sum()))
+
+    def run_generate(r: int) -> None:
         torch.manual_seed(r)
-        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, **kwargs)
-        gen_tps.append(per_row * len(questions) / (time.perf_counter() - t0))
         assert out.shape[1] - ids.shape[1] == per_row
-    return max(roll_tps), max(gen_tps), int(warm.loss_mask.sum()), per_row
+        tokens.setdefault("generate", []).append(per_row * len(questions))
+
+    fns = {"rollout": run_rollout, "generate": run_generate}
+    run_generate(99)
+    update_standin(model, warm)
+    stats = {name: {"cpu": [], "wall": [], "faults": []} for name in fns}
+    order = random.Random(0)
+    for r in range(repeats):
+        for name in order.sample(sorted(fns), len(fns)):
+            f, c, w = _faults(), time.process_time(), time.perf_counter()
+            fns[name](r)
+            stats[name]["cpu"].append(time.process_time() - c)
+            stats[name]["wall"].append(time.perf_counter() - w)
+            stats[name]["faults"].append(_faults() - f)
+    out = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in stats.items()}
+    for name in fns:
+        out[name]["tokens"] = statistics.median(tokens[name])
+    out["per_row"] = per_row
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("STPPO_CACHE_DIR", cache)
         questions, env, tok, model = setup(args.questions)
         cfg = RolloutConfig(max_new_tokens=24, max_total_tokens=1024)
-        roll_tps, gen_tps, tokens, per_row = measure(model, tok, env, questions, cfg, args.repeats)
+        m = measure(model, tok, env, questions, cfg, args.repeats)
+    roll, gen = m["rollout"], m["generate"]
+    roll_tps, gen_tps = roll["tokens"] / roll["cpu"], gen["tokens"] / gen["cpu"]
     print(f"rollout_over_generate: {roll_tps / gen_tps:.2f}")
-    print(f"rollout_tokens_per_s: {roll_tps:.0f} (about {tokens} agent tokens over "
+    print(f"rollout_tokens_per_s: {roll_tps:.0f} (about {roll['tokens']:.0f} agent tokens over "
           f"{len(questions)} trajectories, {env.max_turns} turns of <= {cfg.max_new_tokens})")
-    print(f"generate_tokens_per_s: {gen_tps:.0f} ({per_row} new tokens x {len(questions)} rows)")
+    print(f"generate_tokens_per_s: {gen_tps:.0f} ({m['per_row']} new tokens x "
+          f"{len(questions)} rows)")
+    wall = (roll["tokens"] / roll["wall"]) / (gen["tokens"] / gen["wall"])
+    print(f"rollout_over_generate_wall: {wall:.2f}")
+    print(f"faults_per_call: rollout {roll['faults']:.0f}, generate {gen['faults']:.0f}")
+
 
 if __name__ == "__main__":
     main()

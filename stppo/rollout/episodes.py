@@ -22,6 +22,13 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """`encode_text` of each text, with one tokenizer call for all of them."""
+    nonempty = [t for t in texts if t]
+    encoded = iter(tokenizer(nonempty, add_special_tokens=False)["input_ids"] if nonempty else [])
+    return [list(next(encoded)) if t else [] for t in texts]
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Prompt ids: the text without special tokens, plus BOS when the tokenizer defines one and
     its default encoding adds it (so a pretrained model sees the start it was trained with)."""

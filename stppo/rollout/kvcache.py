@@ -5,10 +5,12 @@ live in buffers with spare capacity (doubled when full) and are exposed as views
 step no longer copies the whole cache the way `torch.cat` does (that copy dominates a step once
 a multi-turn context holds a few hundred tokens).
 
-Across turns a trajectory keeps the keys/values of its real tokens (`row_cache`); the next turn
-stacks them right-aligned into a fresh cache (`stack_row_caches`), so only the new tokens (the
-last sampled one and the observation) are encoded. Models with sliding-window layers fall back
-to re-encoding the whole sequence each turn (`supports_row_caches` is False for them).
+Across turns a trajectory keeps the keys/values of its real tokens (`row_cache`: views of the
+turn's buffers where they are contiguous, so a finished row costs no copy); the next turn stacks
+them right-aligned into a fresh cache whose buffers already hold room for that turn's tokens
+(`stack_row_caches`), so only the new tokens (the last sampled one and the observation) are
+encoded and nothing is copied twice. Models with sliding-window layers fall back to re-encoding
+the whole sequence each turn (`supports_row_caches` is False for them).
 """
 
 from __future__ import annotations
@@ -22,10 +24,24 @@ RowCache = Optional[list[tuple[torch.Tensor, torch.Tensor]]]  # per layer: K, V 
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` appending into preallocated buffers (views of their first L positions)."""
+    """A `DynamicLayer` appending into preallocated buffers (views of their first L positions).
+    `reserve`: the capacity the first allocation makes room for (positions)."""
 
     _kbuf: Optional[torch.Tensor] = None
     _vbuf: Optional[torch.Tensor] = None
+
+    def __init__(self, reserve: int = 0):
+        super().__init__()
+        self.reserve = reserve
+
+    @classmethod
+    def over(cls, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> "GrowingLayer":
+        """A layer holding the first `length` positions of the (B, H, capacity, D) buffers."""
+        layer = cls(reserve=kbuf.shape[-2])
+        layer.dtype, layer.device, layer.is_initialized = kbuf.dtype, kbuf.device, True
+        layer._kbuf, layer._vbuf = kbuf, vbuf
+        layer.keys, layer.values = kbuf[:, :, :length], vbuf[:, :, :length]
+        return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -46,14 +62,14 @@ class GrowingLayer(DynamicLayer):
         if self._kbuf is None or self.keys.data_ptr() != self._kbuf.data_ptr():
             return super().batch_select_indices(indices)
         length = self.get_seq_length()
-        keep = min(self._kbuf.shape[-2], length + 64)  # spare room for this turn, not all of it
+        keep = min(self._kbuf.shape[-2], max(length + 64, self.reserve))  # room for this turn
         self._kbuf = self._kbuf[indices, :, :keep]
         self._vbuf = self._vbuf[indices, :, :keep]
         self.keys, self.values = self._kbuf[:, :, :length], self._vbuf[:, :, :length]
 
     def _grow(self, like: torch.Tensor, length: int, needed: int) -> None:
         b, h, _, d = like.shape
-        cap = max(64, 2 * needed)
+        cap = max(64, 2 * needed, self.reserve)
         kbuf = like.new_empty(b, h, cap, d)
         vbuf = like.new_empty(b, h, cap, d)
         if length:
@@ -65,8 +81,9 @@ class GrowingLayer(DynamicLayer):
 class GrowingCache(DynamicCache):
     """A `DynamicCache` of `GrowingLayer`s (full attention in every layer)."""
 
-    def __init__(self, num_layers: int):
-        Cache.__init__(self, layers=[GrowingLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int = 0, reserve: int = 0, *,
+                 layers: Optional[list[GrowingLayer]] = None):
+        Cache.__init__(self, layers=layers or [GrowingLayer(reserve) for _ in range(num_layers)])
 
 
 def supports_row_caches(model) -> bool:
@@ -75,37 +92,45 @@ def supports_row_caches(model) -> bool:
     return bool(probe.layers) and all(type(layer) is DynamicLayer for layer in probe.layers)
 
 
-def stack_row_caches(model, caches: Sequence[RowCache], device: torch.device,
+def stack_row_caches(model, caches: Sequence[RowCache], device: torch.device, *, room: int = 0,
                      ) -> tuple[Cache, torch.Tensor]:
-    """Per-row keys/values, right-aligned (left padding masked out) → (cache, (B, C) long mask).
-    Rows without a cache (None) contribute only padding."""
-    lengths = [0 if c is None else c[0][0].shape[1] for c in caches]
-    width = max(lengths)
-    attn = torch.zeros(len(caches), width, dtype=torch.long, device=device)
+    """Per-row keys/values, right-aligned (left padding zeroed, masked out) → (cache, (B, C) bool
+    mask). Rows without a cache (None) contribute only padding. The cache's buffers have `room`
+    free positions after the C stacked ones, so the turn's appends copy nothing."""
+    lengths = torch.tensor([0 if c is None else c[0][0].shape[1] for c in caches])  # (B,)
+    width = int(lengths.max()) if len(caches) else 0
+    attn = (torch.arange(width) >= width - lengths[:, None]).to(device)  # (B, C)
     if not supports_row_caches(model):
         if width:
             raise ValueError("row caches given for a model with sliding-window layers")
         return DynamicCache(config=model.config), attn
     num_layers = len(DynamicCache(config=model.config).layers)
-    cache = GrowingCache(num_layers)
     if width == 0:
-        return cache, attn
+        return GrowingCache(num_layers, reserve=room), attn
     some = next(c for c in caches if c is not None)
+    layers = []
     for layer in range(num_layers):
         h, _, d = some[layer][0].shape
-        k = some[layer][0].new_zeros(len(caches), h, width, d)  # (B, H, C, D)
-        v = torch.zeros_like(k)
+        k = some[layer][0].new_empty(len(caches), h, width + room, d)  # (B, H, C+room, D)
+        v = torch.empty_like(k)
+        k[:, :, :width].zero_()  # the holes are masked out, but must be finite
+        v[:, :, :width].zero_()
         for r, c in enumerate(caches):
             if c is not None:
-                k[r, :, width - lengths[r]:] = c[layer][0]
-                v[r, :, width - lengths[r]:] = c[layer][1]
-        cache.layers[layer].update(k, v)
-    for r, n in enumerate(lengths):
-        attn[r, width - n:] = 1
-    return cache, attn
+                k[r, :, width - c[layer][0].shape[1]:width] = c[layer][0]
+                v[r, :, width - c[layer][1].shape[1]:width] = c[layer][1]
+        layers.append(GrowingLayer.over(k, v, width))
+    return GrowingCache(layers=layers), attn
 
 
-def row_cache(past: Cache, mask_row: torch.Tensor, slot: int) -> RowCache:
-    """Keys/values of one batch row's real (unmasked) positions, per layer: (H, n, D) each."""
-    real = mask_row.nonzero().squeeze(-1)  # (n,)
-    return [(layer.keys[slot][:, real], layer.values[slot][:, real]) for layer in past.layers]
+def row_cache(past: Cache, slot: int, spans: Sequence[tuple[int, int]]) -> RowCache:
+    """Keys/values of batch row `slot` at the positions of `spans` ([(start, end), ...] in order),
+    per layer (H, n, D) each: a view of the cache's buffer for one span (later appends never
+    write below the cache's current length), a copy for several."""
+    spans = [(a, b) for a, b in spans if b > a]
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # (H, L, D) → (H, n, D)
+        parts = [x[:, a:b] for a, b in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    return [(take(layer.keys[slot]), take(layer.values[slot])) for layer in past.layers]

@@ -37,7 +37,8 @@ def sample_next(logits: torch.Tensor, cfg: RolloutConfig,
     if cfg.greedy:
         tokens = z.argmax(dim=-1)  # (B,)
     else:
-        q = top_p_filter(z / cfg.temperature, cfg.top_p).softmax(dim=-1)  # (B, V)
+        scaled = z if cfg.temperature == 1.0 else z / cfg.temperature  # z / 1 == z exactly
+        q = top_p_filter(scaled, cfg.top_p).softmax(dim=-1)  # (B, V)
         tokens = _inverse_cdf(q, generator)  # (B,)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
