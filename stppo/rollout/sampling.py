@@ -48,6 +48,9 @@ def _inverse_cdf(q: torch.Tensor, generator: Optional[torch.Generator]) -> torch
     Tokens of zero probability have empty intervals, so they are never drawn. (Several times
     faster than `torch.multinomial` on CPU for one draw per row.)"""
     cdf = q.cumsum(dim=-1)  # (B, V)
-    u = torch.rand(q.shape[0], 1, generator=generator, device=q.device, dtype=cdf.dtype)
+    # u is drawn where the generator lives (the trainer's are CPU generators seeded per step), so
+    # a seed gives the same draws whatever device the model is on.
+    gen_device = generator.device if generator is not None else q.device
+    u = torch.rand(q.shape[0], 1, generator=generator, device=gen_device, dtype=cdf.dtype).to(q.device)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # (B,)
     return tokens.clamp_(max=q.shape[-1] - 1)
