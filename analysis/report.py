@@ -1,4 +1,5 @@
 """`python -m analysis.report --experiment NAME [--experiment NAME2] --out DIR [--tracking-uri URI]`
+(or `--parquet DIR` [...]: a study exported by `python -m analysis.export`)
 
 Writes to DIR: the figures (fig2_collapse_<preset>_<model>_<run>, fig3_token_vs_turn,
 fig4_success_by_preset, fig5_clip_kl, fig6_early_warning; PNG and PDF), the tables (runs, presets,
@@ -105,6 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-scale", action="store_true", help="log y axis for norms, clip ratio and KL")
     p.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     p.add_argument("--no-cache", action="store_true", help="read every run from the store")
+    p.add_argument("--parquet", action="append", type=Path, default=None,
+                   help="read the runs from folders written by `python -m analysis.export` instead of "
+                        "the tracking store (repeatable: parts of one study)")
     p.add_argument("--alarm-threshold", type=float, default=AlarmConfig.threshold,
                    help=f"early-warning threshold h, robust z (default {AlarmConfig.threshold:g})")
     p.add_argument("--alarm-persist", type=int, default=AlarmConfig.persist,
@@ -126,7 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 baseline_steps=args.alarm_baseline)
         except ValueError as e:
             raise AnalysisError(str(e)) from None
-        study = load_study(args.experiment, args.tracking_uri, use_cache=not args.no_cache)
+        if args.parquet:
+            from .export import load_exported
+
+            study = load_exported(args.parquet, args.experiment)
+        else:
+            study = load_study(args.experiment, args.tracking_uri, use_cache=not args.no_cache)
         paths = write_report(study, args.out, window=args.window, smoothing=args.smoothing,
                              log_scale=args.log_scale, n_boot=args.bootstrap, control=args.control, alarm=alarm)
     except AnalysisError as e:

@@ -1,0 +1,94 @@
+"""A study's runs as parquet files, and back: so a study split over machines or sessions can be
+finished and analysed together without the MLflow store it was run in.
+
+    python -m analysis.export --experiment frontier_l1 [--experiment …] --out DIR [--tracking-uri URI]
+
+writes DIR/runs.parquet (one row per run: tags, status, collapse settings), DIR/metrics.parquet
+(the tidy frame of `load_study`: run_id, experiment, algo, model, task, seed, status, step, metric,
+value) and DIR/params.parquet (run_id, key, value). `load_exported(DIR, …)` reads one or more such
+folders into a `Study` (runs of the same id are taken once), which `analysis.report --parquet DIR`
+and every table and figure function accept like a study loaded from MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from .load import Study, load_study
+from .store import AnalysisError
+
+FILES = ("runs", "metrics", "params")
+PARQUET_URI = "parquet:"
+
+
+def export_study(study: Study, out: str | Path) -> dict[str, Path]:
+    """Write the study's runs, metrics and params to `out` (zstd parquet); returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name in FILES:
+        frame = getattr(study, name)
+        paths[name] = out / f"{name}.parquet"
+        frame.to_parquet(paths[name], index=False, compression="zstd")
+    return paths
+
+
+def load_exported(folders: str | Path | Sequence[str | Path],
+                  experiments: Sequence[str] | None = None) -> Study:
+    """A Study from exported folders (optionally only some experiments). A missing folder or file
+    is one `AnalysisError` line."""
+    folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+    parts = {name: [] for name in FILES}
+    for folder in map(Path, folders):
+        for name in FILES:
+            path = folder / f"{name}.parquet"
+            if not path.is_file():
+                raise AnalysisError(f"{path} does not exist: export a study there with "
+                                    "`python -m analysis.export --experiment NAME --out DIR`")
+            parts[name].append(pd.read_parquet(path))
+    runs = pd.concat(parts["runs"], ignore_index=True).drop_duplicates("run_id", keep="last")
+    if experiments:
+        runs = runs[runs["experiment"].astype(str).isin(list(experiments))]
+    if runs.empty:
+        raise AnalysisError(f"no runs of {', '.join(experiments or ['any experiment'])} in "
+                            f"{', '.join(map(str, folders))}")
+    keep = set(runs["run_id"].astype(str))
+    metrics = pd.concat([m.astype({c: str for c in m.columns if isinstance(m[c].dtype, pd.CategoricalDtype)})
+                         for m in parts["metrics"]], ignore_index=True)
+    metrics = metrics[metrics["run_id"].isin(keep)].drop_duplicates(["run_id", "metric", "step"], keep="last")
+    params = pd.concat(parts["params"], ignore_index=True)
+    params = params[params["run_id"].isin(keep)].drop_duplicates(["run_id", "key"], keep="last")
+    names = tuple(dict.fromkeys(runs["experiment"].astype(str)))
+    for col in ("run_id", "experiment", "algo", "model", "task", "seed", "status", "metric"):
+        metrics[col] = metrics[col].astype("category")
+    metrics = metrics.sort_values(["run_id", "metric", "step"], ignore_index=True)
+    uri = PARQUET_URI + ",".join(map(str, folders))
+    return Study(uri, names, runs.reset_index(drop=True), metrics, params.reset_index(drop=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.export", description=__doc__.splitlines()[0])
+    p.add_argument("--experiment", action="append", required=True, help="MLflow experiment (repeatable)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    a = p.parse_args(argv)
+    from .report import default_tracking_uri
+
+    try:
+        study = load_study(a.experiment, a.tracking_uri or default_tracking_uri())
+        paths = export_study(study, a.out)
+    except AnalysisError as e:
+        print(f"python -m analysis.export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {len(study.runs)} runs ({len(study.metrics)} values) to {Path(a.out)}: "
+          f"{', '.join(p.name for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
