@@ -146,18 +146,13 @@ class Trainer:
 
     def load_state_dict(self, s: dict) -> None:
         self.step = s["step"]
-        self.c.policy.load_state_dict(s["policy"])
-        self.actor_opt.load_state_dict(s["actor_opt"])
-        if self.c.critic is not None:
-            self.c.critic.load_state_dict(s["critic"])
-            self.critic_opt.load_state_dict(s["critic_opt"])
         self.detector.load_state_dict(s["detector"])
         self.ctx.opt_steps = s["opt_steps"]
         self.val_history = [tuple(x) for x in s["val_history"]]
         if "alarms" in s:
             self.alarms.load_state_dict(s["alarms"])
             self.rollbacks = s["rollbacks"]
-        self._scale_lrs()
+        self._load_weights(s)
 
     def _load_weights(self, s: dict) -> None:
         """Policy, critic and optimizer states of checkpoint `s` (a rollback keeps the step, the
