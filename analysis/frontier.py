@@ -1,0 +1,177 @@
+"""The stability frontier of a study over off-policyness levels (docs/results/frontier/).
+
+A *level* is one MLflow experiment of the study (`frontier_l1`, …, in order of off-policyness);
+a *cell* is (level, preset). Per cell:
+
+    collapse probability  k/n with the Wilson score interval (Wilson 1927), which stays in [0, 1]
+                          and is not degenerate at k = 0 or k = n:
+                          (p̂ + z²/2n ± z √(p̂(1−p̂)/n + z²/4n²)) / (1 + z²/n)
+    final success         mean of the runs' last greedy val/success_rate, percentile bootstrap CI
+    peak grad norm        mean of the runs' maximal pre-clip gradient norm, bootstrap CI (≥ 0)
+
+Pairwise comparisons within a level, for every pair of presets: Fisher's exact test of the
+collapse counts and Welch's t-test of final success; the p-values of each family (one level, one
+test) are adjusted with Holm's step-down method (Holm 1979), which controls the family-wise error
+rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
+
+`python -m analysis.frontier --parquet DIR [--parquet DIR2 …] --out DIR` writes cells.csv,
+pairwise.csv and fig_frontier (PNG, PDF) for the levels found (`--level-prefix`, default
+`frontier_`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from itertools import combinations
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import scipy.stats as sps
+from matplotlib.figure import Figure
+
+from .collapse import collapse_table
+from .figures import preset_color
+from .stats import bootstrap_mean_ci, welch_test
+from .store import AnalysisError
+from .tables import per_run_table
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n (NaNs for n = 0)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson_interval: need 0 <= k <= n, got k={k}, n={n}")
+    z = float(sps.norm.ppf(0.5 + confidence / 2))
+    p = k / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def holm(pvalues: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values (NaNs stay NaN and do not count in the family)."""
+    p = np.asarray(pvalues, dtype=float)
+    out = np.full(p.shape, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    if ok.size == 0:
+        return out
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m = order.size
+    adjusted = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    out[order] = np.maximum.accumulate(adjusted)
+    return out
+
+
+def level_order(names: Sequence[str], prefix: str = "frontier_") -> list[str]:
+    """The study's levels (experiments named prefix + level), sorted by their level name."""
+    return sorted({n for n in names if str(n).startswith(prefix)})
+
+
+def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
+    """One row per (experiment = level, algo) of a per-run table (`per_run_table`)."""
+    rows = []
+    for (level, algo), grp in runs.groupby(["experiment", "algo"], sort=True):
+        k, n = int(grp["collapsed"].sum()), len(grp)
+        low, high = wilson_interval(k, n, confidence)
+        s_low, s_high = bootstrap_mean_ci(grp["final_success"], confidence=confidence)
+        g_low, g_high = bootstrap_mean_ci(grp["peak_grad_norm"], confidence=confidence)
+        onset = grp.loc[grp["collapsed"], "collapse_step"]
+        rows.append({"level": level, "algo": algo, "runs": n, "collapsed": k, "collapse_p": k / n,
+                     "collapse_p_low": low, "collapse_p_high": high,
+                     "median_onset": float(onset.median()) if len(onset) else np.nan,
+                     "final_success": float(np.nanmean(grp["final_success"])) if n else np.nan,
+                     "final_success_low": s_low, "final_success_high": s_high,
+                     "peak_grad_norm": float(np.nanmean(grp["peak_grad_norm"])) if n else np.nan,
+                     "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high})
+    return pd.DataFrame(rows)
+
+
+def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every pair of presets within each level: Fisher's exact test on the collapse counts and
+    Welch's t-test on final success, with Holm-adjusted p-values per (level, test) family."""
+    rows = []
+    for level, grp in runs.groupby("experiment", sort=True):
+        by = {a: g for a, g in grp.groupby("algo", sort=True)}
+        for a, b in combinations(sorted(by), 2):
+            ka, na = int(by[a]["collapsed"].sum()), len(by[a])
+            kb, nb = int(by[b]["collapsed"].sum()), len(by[b])
+            fisher_p = float(sps.fisher_exact([[ka, na - ka], [kb, nb - kb]])[1])
+            w = welch_test(by[a]["final_success"], by[b]["final_success"])
+            rows.append({"level": level, "a": a, "b": b, "collapsed_a": f"{ka}/{na}",
+                         "collapsed_b": f"{kb}/{nb}", "fisher_p": fisher_p,
+                         "success_a": float(np.nanmean(by[a]["final_success"])),
+                         "success_b": float(np.nanmean(by[b]["final_success"])),
+                         "welch_t": w["t"], "welch_p": w["p"]})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    for test in ("fisher", "welch"):
+        out[f"{test}_p_holm"] = np.nan
+        for level, idx in out.groupby("level").groups.items():
+            out.loc[idx, f"{test}_p_holm"] = holm(out.loc[idx, f"{test}_p"].to_numpy())
+    return out
+
+
+def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str, str] | None = None) -> Figure:
+    """Collapse probability (Wilson 95% bars) against the level, one line per preset."""
+    fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
+    ax = fig.subplots()
+    x = {lv: i for i, lv in enumerate(levels)}
+    algos = sorted(cells["algo"].unique())
+    offsets = np.linspace(-0.22, 0.22, max(1, len(algos)))
+    for off, algo in zip(offsets, algos):
+        c = cells[cells["algo"] == algo].copy()
+        c = c[c["level"].isin(levels)]
+        c["x"] = c["level"].map(x) + off
+        c = c.sort_values("x")
+        err = np.vstack([c["collapse_p"] - c["collapse_p_low"],
+                         c["collapse_p_high"] - c["collapse_p"]]).clip(min=0.0)  # float noise at 0, 1
+        ax.errorbar(c["x"], c["collapse_p"], yerr=err, marker="o", ms=4, lw=1.2, capsize=2,
+                    color=preset_color(algo), label=algo)
+    ax.set_xticks(range(len(levels)), [(labels or {}).get(lv, lv) for lv in levels], fontsize=8)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("off-policyness level")
+    ax.set_ylabel("P(collapse)  (Wilson 95%)")
+    ax.legend(ncol=2, fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.frontier", description=__doc__.splitlines()[0])
+    p.add_argument("--parquet", action="append", required=True, type=Path,
+                   help="a folder written by `python -m analysis.export` (repeatable)")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--level-prefix", default="frontier_")
+    a = p.parse_args(argv)
+    from .export import load_exported
+
+    try:
+        study = load_exported(a.parquet)
+        levels = level_order(study.experiments, a.level_prefix)
+        if not levels:
+            raise AnalysisError(f"no experiment named {a.level_prefix}* in {', '.join(map(str, a.parquet))}")
+        runs = per_run_table(study, collapse_table(study))
+        runs = runs[runs["experiment"].isin(levels)]
+        a.out.mkdir(parents=True, exist_ok=True)
+        cells = cell_table(runs)
+        cells.to_csv(a.out / "cells.csv", index=False)
+        pairwise_table(runs).to_csv(a.out / "pairwise.csv", index=False)
+        fig = fig_frontier(cells, levels)
+        for ext in ("png", "pdf"):
+            fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)
+    except AnalysisError as e:
+        print(f"analysis.frontier: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote cells.csv, pairwise.csv, fig_frontier.png/pdf to {a.out} ({len(runs)} runs, "
+          f"{len(levels)} levels)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""analysis.frontier: Wilson intervals, Holm's adjustment, the cell and pairwise tables and the
+frontier figure on a constructed per-run table."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.frontier import cell_table, fig_frontier, holm, level_order, pairwise_table, wilson_interval
+
+
+def test_wilson_interval_hand_values():
+    z = 1.959963984540054
+    low, high = wilson_interval(0, 3)
+    assert low == pytest.approx(0.0, abs=1e-12)
+    assert high == pytest.approx((z * z / 3) / (1 + z * z / 3), rel=1e-9)  # 0.5615
+    assert high == pytest.approx(0.5615, abs=1e-4)
+    low, high = wilson_interval(3, 3)
+    assert high == 1.0 and low == pytest.approx(1 - 0.5615, abs=1e-4)
+    low, high = wilson_interval(5, 10)
+    assert (low, high) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert all(math.isnan(v) for v in wilson_interval(0, 0))
+    with pytest.raises(ValueError):
+        wilson_interval(4, 3)
+
+
+def test_holm_step_down():
+    assert holm([0.01, 0.04, 0.03]).tolist() == pytest.approx([0.03, 0.06, 0.06])
+    out = holm([0.2, float("nan"), 0.001])
+    assert out[0] == pytest.approx(0.2) and math.isnan(out[1]) and out[2] == pytest.approx(0.002)
+    assert holm([0.9, 0.8]).tolist() == [1.0, 1.0]
+
+
+def _runs() -> pd.DataFrame:
+    rows = []
+    for level, kp, kg in (("frontier_l1", 0, 0), ("frontier_l2", 3, 0)):
+        for algo, k in (("ppo", kp), ("grpo", kg)):
+            for seed in range(3):
+                collapsed = seed < k
+                rows.append({"experiment": level, "algo": algo, "seed": str(seed), "collapsed": collapsed,
+                             "collapse_step": 5.0 + seed if collapsed else np.nan,
+                             "final_success": 0.1 if collapsed else 0.9, "peak_grad_norm": 3.0 if collapsed else 1.0})
+    return pd.DataFrame(rows)
+
+
+def test_cells_pairwise_and_figure():
+    runs = _runs()
+    cells = cell_table(runs).set_index(["level", "algo"])
+    c = cells.loc[("frontier_l2", "ppo")]
+    assert (c["runs"], c["collapsed"], c["collapse_p"], c["median_onset"]) == (3, 3, 1.0, 6.0)
+    assert c["collapse_p_low"] == pytest.approx(1 - 0.5615, abs=1e-4) and c["collapse_p_high"] == 1.0
+    assert cells.loc[("frontier_l1", "grpo"), "final_success"] == pytest.approx(0.9)
+    pw = pairwise_table(runs).set_index("level")
+    assert pw.loc["frontier_l2", "fisher_p"] == pytest.approx(0.1)  # 3/3 vs 0/3, two-sided
+    assert pw.loc["frontier_l1", "fisher_p"] == 1.0
+    assert pw.loc["frontier_l2", "fisher_p_holm"] == pytest.approx(0.1)  # a family of one pair
+    assert level_order(["frontier_l2", "x", "frontier_l1"]) == ["frontier_l1", "frontier_l2"]
+    fig = fig_frontier(cell_table(runs), ["frontier_l1", "frontier_l2"])
+    assert len(fig.axes[0].lines) >= 2
