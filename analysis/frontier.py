@@ -14,9 +14,14 @@ collapse counts and Welch's t-test of final success; the p-values of each family
 test) are adjusted with Holm's step-down method (Holm 1979), which controls the family-wise error
 rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
 
+The critic warm-start comparison (`critic_table`): per (level, GAE preset), runs with
+`trainer.critic_warmstart` (experiments `critic_ws_<level>`) against the same cells of the grid:
+collapse counts (Fisher's exact test), the warm start's held-out explained variance before and
+after its fit, and the mean over training steps of `critic/vf_explained_var`.
+
 `python -m analysis.frontier --parquet DIR [--parquet DIR2 …] --out DIR` writes cells.csv,
 pairwise.csv and fig_frontier (PNG, PDF) for the levels found (`--level-prefix`, default
-`frontier_`).
+`frontier_`), and critic.csv when critic warm-start experiments (`critic_ws_<level>`) are there.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from .collapse import collapse_table
 from .figures import preset_color
 from .stats import bootstrap_mean_ci, welch_test
 from .store import AnalysisError
-from .tables import per_run_table
+from stppo import tracking as T
+
+from .tables import per_run_table, per_run_value
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -117,6 +124,33 @@ def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def critic_table(study, runs: pd.DataFrame, *, prefix: str = "frontier_",
+                 warm_prefix: str = "critic_ws_") -> pd.DataFrame:
+    """One row per (level, algo) that has warm-started runs: with vs without the critic warm start
+    (module docstring). `runs` is `per_run_table(study)` over both kinds of experiments."""
+    ev_before = per_run_value(study, T.CRITIC_WS_EV_BEFORE, "last")
+    ev_after = per_run_value(study, T.CRITIC_WS_EV_AFTER, "last")
+    ev_train = per_run_value(study, T.VF_EXPLAINED_VAR, "mean")
+    runs = runs.assign(ev_before=runs["run_id"].map(ev_before), ev_after=runs["run_id"].map(ev_after),
+                       ev_train=runs["run_id"].map(ev_train))
+    rows = []
+    warm = runs[runs["experiment"].str.startswith(warm_prefix)]
+    for (exp, algo), w in warm.groupby(["experiment", "algo"], sort=True):
+        level = exp[len(warm_prefix):]
+        base = runs[(runs["experiment"] == prefix + level) & (runs["algo"] == algo)]
+        kw, nw, kb, nb = int(w["collapsed"].sum()), len(w), int(base["collapsed"].sum()), len(base)
+        p = float(sps.fisher_exact([[kw, nw - kw], [kb, nb - kb]])[1]) if nb else float("nan")
+        rows.append({"level": prefix + level, "algo": algo, "collapsed_warm": f"{kw}/{nw}",
+                     "collapsed_cold": f"{kb}/{nb}", "fisher_p": p,
+                     "ws_ev_before": float(np.nanmean(w["ev_before"])),
+                     "ws_ev_after": float(np.nanmean(w["ev_after"])),
+                     "train_ev_warm": float(np.nanmean(w["ev_train"])),
+                     "train_ev_cold": float(np.nanmean(base["ev_train"])) if nb else float("nan"),
+                     "final_success_warm": float(np.nanmean(w["final_success"])),
+                     "final_success_cold": float(np.nanmean(base["final_success"])) if nb else float("nan")})
+    return pd.DataFrame(rows)
+
+
 def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str, str] | None = None) -> Figure:
     """Collapse probability (Wilson 95% bars) against the level, one line per preset."""
     fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
@@ -156,9 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         levels = level_order(study.experiments, a.level_prefix)
         if not levels:
             raise AnalysisError(f"no experiment named {a.level_prefix}* in {', '.join(map(str, a.parquet))}")
-        runs = per_run_table(study, collapse_table(study))
-        runs = runs[runs["experiment"].isin(levels)]
+        every = per_run_table(study, collapse_table(study))
+        runs = every[every["experiment"].isin(levels)]
         a.out.mkdir(parents=True, exist_ok=True)
+        if every["experiment"].str.startswith("critic_ws_").any():
+            critic_table(study, every, prefix=a.level_prefix).to_csv(a.out / "critic.csv", index=False)
         cells = cell_table(runs)
         cells.to_csv(a.out / "cells.csv", index=False)
         pairwise_table(runs).to_csv(a.out / "pairwise.csv", index=False)

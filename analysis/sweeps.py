@@ -65,6 +65,29 @@ def trials_frame(storage_url: str, study_name: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def sweep_optimum(trials: pd.DataFrame, *, tolerance: float = 0.02) -> dict:
+    """The best completed trial and how flat the optimum is: its objective and parameters, the
+    number of completed trials within `tolerance` of it (and the range of each parameter over
+    them: a wide range is a flat optimum), the spread of the top five, and the pruned count."""
+    done = trials[(trials["state"] == "COMPLETE") & np.isfinite(trials["objective"].astype(float))]
+    if done.empty:
+        return {"completed": 0, "pruned": int(trials["pruned"].sum()), "trials": len(trials)}
+    sign = -1.0 if (done["direction"].iloc[0] == "minimize") else 1.0
+    order = done.assign(_o=sign * done["objective"].astype(float)).sort_values("_o", ascending=False)
+    best = order.iloc[0]
+    near = order[(sign * (order["objective"] - best["objective"])) >= -tolerance]
+    out = {"trials": len(trials), "completed": len(done), "pruned": int(trials["pruned"].sum()),
+           "best_trial": int(best["number"]), "best_objective": float(best["objective"]),
+           "top5_spread": float(order["objective"].head(5).max() - order["objective"].head(5).min()),
+           f"within_{tolerance:g}": len(near)}
+    for col in param_columns(trials):
+        name = col.split(":", 1)[1]
+        out[f"best {name}"] = best[col]
+        vals = near[col].astype(float)
+        out[f"{name} range within {tolerance:g}"] = f"[{vals.min():.3g}, {vals.max():.3g}]"
+    return out
+
+
 def _last_intermediate(values: dict[int, float]) -> float:
     return float(values[max(values)]) if values else math.nan
 

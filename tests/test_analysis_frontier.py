@@ -60,3 +60,16 @@ def test_cells_pairwise_and_figure():
     assert level_order(["frontier_l2", "x", "frontier_l1"]) == ["frontier_l1", "frontier_l2"]
     fig = fig_frontier(cell_table(runs), ["frontier_l1", "frontier_l2"])
     assert len(fig.axes[0].lines) >= 2
+
+
+def test_sweep_optimum_best_and_flatness():
+    from analysis.sweeps import sweep_optimum
+
+    trials = pd.DataFrame({"number": range(5), "state": ["COMPLETE"] * 4 + ["PRUNED"],
+                           "objective": [0.80, 0.86, 0.85, 0.50, 0.1], "pruned": [False] * 4 + [True],
+                           "direction": "maximize", "param:algo.clip_high": [0.1, 0.3, 0.4, 0.6, 0.2]})
+    out = sweep_optimum(trials, tolerance=0.02)
+    assert (out["best_trial"], out["best_objective"], out["completed"], out["pruned"]) == (1, 0.86, 4, 1)
+    assert out["within_0.02"] == 2 and out["best algo.clip_high"] == 0.3
+    assert out["algo.clip_high range within 0.02"] == "[0.3, 0.4]"
+    assert out["top5_spread"] == pytest.approx(0.36)
