@@ -19,6 +19,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from stppo.tracking import resolve_uri
+
 from .load import Study, load_study
 from .store import AnalysisError
 
@@ -77,10 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     a = p.parse_args(argv)
-    from .report import default_tracking_uri
-
     try:
-        study = load_study(a.experiment, a.tracking_uri or default_tracking_uri())
+        study = load_study(a.experiment, resolve_uri(a.tracking_uri))
         paths = export_study(study, a.out)
     except AnalysisError as e:
         print(f"python -m analysis.export: error: {e}", file=sys.stderr)

@@ -11,7 +11,6 @@ store ends in one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -31,7 +30,7 @@ from .warning import early_warning, fig_early_warning
 
 
 def default_tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    return T.resolve_uri(None)  # $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
 
 
 def _save(fig, out: Path, stem: str) -> list[str]:
