@@ -57,7 +57,8 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     p = k / n
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, center - half), min(1.0, center + half)
+    # at k = 0 (k = n) the bound is exactly 0 (1); the formula leaves float noise there
+    return (0.0 if k == 0 else max(0.0, center - half)), (1.0 if k == n else min(1.0, center + half))
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
