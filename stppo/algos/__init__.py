@@ -19,7 +19,8 @@ from stppo.algos.baselines.sapo import sapo_gate
 from stppo.algos.dapo import groups_with_signal, overlong_penalty
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
-from stppo.algos.loss import policy_loss
+from stppo.algos.loss import clip_policy_loss
+from stppo.algos.policy import policy_loss
 from stppo.algos.presets import (DEFAULT_LOSS_AGG, POLICY_LOSS_KEYWORDS, PRESETS, Preset,
                                  register_preset)
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
@@ -35,7 +36,7 @@ __all__ = [
     "RATIO_LEVELS", "ROLLOUT_IS_KINDS", "Registry", "Surrogate", "SurrogateParts",
     "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights", "bapo_schedule",
     "check_loss_mode", "clip_bias_grad_norm", "clip_bias_norm", "clip_bias_term",
-    "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
+    "clip_policy_loss", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
     "explained_variance", "gae", "group_signal_fractions", "groups_with_signal", "grpo_advantages",
     "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
     "overlong_penalty", "pg_loss_norm", "policy_loss", "positive_share", "register_preset",

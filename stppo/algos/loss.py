@@ -1,4 +1,5 @@
-"""`policy_loss`: ratio → clipped surrogate → correction → aggregation (DESIGN.md §2).
+"""The clip path of `policy_loss`: ratio → clipped surrogate → correction → aggregation
+(DESIGN.md §2).
 
     L = λ · agg(s)        (batch granularity)      L = agg(λ_i s_{i,t})   (sequence granularity)
 
@@ -16,7 +17,7 @@ diagnostics need (the same as at token level).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -71,15 +72,15 @@ def _check_args(log_probs, loss_mask, turn_ids, ratio_level, clip_low, clip_high
         raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
 
 
-def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, turn_ids: torch.Tensor, *, ratio_level: str,
-                clip_low: float, clip_high: float, loss_agg: str, correction: Any = None,
-                dual_clip: Optional[float] = None, global_denoms: GlobalDenoms = None,
-                params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
-                loss_mode: str = "clip", options: Optional[Mapping[str, float]] = None,
-                rollout_is_weights: Optional[torch.Tensor] = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss of every preset and its diagnostics.
+def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                     advantages: torch.Tensor, loss_mask: torch.Tensor, turn_ids: torch.Tensor, *,
+                     ratio_level: str, clip_low: float, clip_high: float, loss_agg: str,
+                     correction: Any = None, dual_clip: Optional[float] = None,
+                     global_denoms: GlobalDenoms = None,
+                     params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped policy loss of every clip-path preset and its diagnostics (`policy_loss`
+    with loss_mode='clip', no options, no rollout IS weights comes here).
 
     Args:
       log_probs (N, T): log π_θ of each token (with graph). old_log_probs (N, T): log π_old.
@@ -97,19 +98,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
       constants. Fractions, ratio statistics and PPO_KL (mean −δ) are token-weighted over agent
       tokens; CLIP_BIAS_SCALE is the mean λ (over trajectories with agent tokens when per
       sequence); CLIP_BIAS_TRIGGERED is 1.0 if any λ < 1. PG_LOSS is the returned loss.
-    loss_mode ∈ LOSS_MODES (default 'clip', this function's own path), `options` its named knobs,
-    `rollout_is_weights` (N, T) detached truncated IS weights multiplying the per-token loss:
-    anything but the plain clip path goes to `stppo.algos.baselines.dispatch`.
     """
-    if loss_mode != "clip" or options or rollout_is_weights is not None:
-        from stppo.algos.baselines import dispatch  # the baselines (DESIGN.md §2)
-
-        return dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
-                        loss_mode=loss_mode, options=options,
-                        rollout_is_weights=rollout_is_weights, ratio_level=ratio_level,
-                        clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
-                        correction=correction, dual_clip=dual_clip, global_denoms=global_denoms,
-                        params=params, reduce=reduce)
     check_token_tensors(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                         loss_mask=loss_mask, turn_ids=turn_ids)
     _check_args(log_probs, loss_mask, turn_ids, ratio_level, clip_low, clip_high, loss_agg,

@@ -43,7 +43,7 @@ from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
 from stppo.algos.baselines import check_loss_mode
 from stppo.algos.clip_bias import CORRECTIONS, DEFAULT_TAU, Correction
-from stppo.algos.loss import policy_loss
+from stppo.algos.policy import policy_loss
 from stppo.algos.ratios import RATIO_LEVELS
 from stppo.registry import Registry
 

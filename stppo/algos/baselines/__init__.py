@@ -1,7 +1,7 @@
 """The policy losses people compare against, behind `policy_loss(..., loss_mode=...)` (DESIGN.md §2).
 
 `LOSS_MODES` (unknown names list the valid ones): clip (the clipped surrogate of
-`stppo.algos.loss`, every ratio level and correction), cispo, gmpo, sapo, clip_cov, kl_cov, bapo —
+`stppo.algos.loss.clip_policy_loss`, every ratio level and correction), cispo, gmpo, sapo, clip_cov, kl_cov, bapo —
 one module each. Every loss takes the tensors and keywords of `policy_loss`, the mode's `options`
 (named floats; unknown names and bad values are one-line ValueErrors) and `rollout_is_weights`,
 and returns `(loss, metrics)` with the clip path's metric keys.
@@ -25,6 +25,7 @@ from stppo.algos.baselines.cispo import cispo_loss
 from stppo.algos.baselines.cov import clip_cov_loss, kl_cov_loss
 from stppo.algos.baselines.gmpo import gmpo_loss
 from stppo.algos.baselines.sapo import sapo_loss
+from stppo.algos.loss import check_token_tensors, clip_policy_loss
 from stppo.registry import Registry
 
 
@@ -103,8 +104,6 @@ def _kind(correction: Any) -> str:
 def dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_mode: str,
              options, rollout_is_weights, **kw):
     """`policy_loss` for loss_mode ≠ 'clip', options or rollout IS weights (see the docstring)."""
-    from stppo.algos.loss import check_token_tensors, policy_loss
-
     check_token_tensors(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                         loss_mask=loss_mask, turn_ids=turn_ids)
     if rollout_is_weights is not None:
@@ -116,7 +115,7 @@ def dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_
     if loss_mode == "clip":  # ω A: see the module docstring
         if rollout_is_weights is not None:
             advantages = torch.where(loss_mask, advantages * rollout_is_weights, advantages)
-        return policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw)
+        return clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw)
     _check_common(log_probs, loss_mask, kw)
     return LOSS_MODES[loss_mode].fn(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                     opts=opts, rollout_is_weights=rollout_is_weights, **kw)
