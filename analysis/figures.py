@@ -26,7 +26,9 @@ from stppo import tracking as T
 
 from .stats import aggregate
 
-PRESET_ORDER = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo", "so_grpo")
+PRESET_ORDER = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo", "so_grpo",
+                "cispo", "gmpo", "sapo", "dapo", "rloo")
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p", "d")
 STYLES = ("-", "--", ":", "-.")
 FIG3_METRICS = (T.SUCCESS_RATE, T.GRAD_NORM, T.PG_LOSS_NORM, T.CLIP_BIAS_NORM)
 FIG5_METRICS = (T.PG_CLIPFRAC, T.PPO_KL, T.KL_REF)
@@ -34,9 +36,16 @@ ADVANTAGES = (T.ADV_MEAN, T.ADV_STD, T.ADV_MAX, T.ADV_MIN)
 
 
 def preset_color(algo: str):
-    """A fixed colour per preset (tab10), so every figure colours a preset the same way."""
-    i = PRESET_ORDER.index(algo) if algo in PRESET_ORDER else len(PRESET_ORDER) + sum(map(ord, algo)) % 2
-    return matplotlib.colormaps["tab10"](i)
+    """A fixed colour per preset, so every figure colours a preset the same way: tab10 for the
+    first ten presets, the light halves of tab20 after them."""
+    i = PRESET_ORDER.index(algo) if algo in PRESET_ORDER else len(PRESET_ORDER) + sum(map(ord, algo)) % 4
+    return matplotlib.colormaps["tab10"](i) if i < 10 else matplotlib.colormaps["tab20"](2 * (i - 10) + 1)
+
+
+def preset_marker(algo: str) -> str:
+    """A fixed marker per preset (with `preset_color`, tells 13 presets apart in one panel)."""
+    i = PRESET_ORDER.index(algo) if algo in PRESET_ORDER else sum(map(ord, algo))
+    return MARKERS[i % len(MARKERS)]
 
 
 def _note(ax, text: str) -> None:

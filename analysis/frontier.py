@@ -39,7 +39,7 @@ import scipy.stats as sps
 from matplotlib.figure import Figure
 
 from .collapse import collapse_table
-from .figures import preset_color
+from .figures import PRESET_ORDER, preset_color, preset_marker
 from .stats import bootstrap_mean_ci, welch_test
 from .store import AnalysisError
 from stppo import tracking as T
@@ -78,6 +78,26 @@ def holm(pvalues: Sequence[float]) -> np.ndarray:
 def level_order(names: Sequence[str], prefix: str = "frontier_") -> list[str]:
     """The study's levels (experiments named prefix + level), sorted by their level name."""
     return sorted({n for n in names if str(n).startswith(prefix)})
+
+
+LEVEL_KEYS = (("trainer.actor_lr", "lr {}"), ("trainer.ppo_epochs", "{} ep"), ("trainer.minibatch_size", "mb {}"))
+
+
+def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]) -> dict[str, str]:
+    """Tick label per level: its name and the settings that define it (actor lr, PPO epochs,
+    minibatch size), read from the runs' params; a setting that differs between a level's runs
+    is shown as `?`."""
+    out = {}
+    for lv in levels:
+        ids = set(runs.loc[runs["experiment"] == lv, "run_id"])
+        mine = params[params["run_id"].isin(ids)]
+        parts = []
+        for key, fmt in LEVEL_KEYS:
+            vals = set(mine.loc[mine["key"] == key, "value"].astype(str))
+            if vals:
+                parts.append(fmt.format(vals.pop() if len(vals) == 1 else "?"))
+        out[lv] = "\n".join([lv, " x ".join(parts)]) if parts else lv
+    return out
 
 
 def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
@@ -157,7 +177,8 @@ def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str
     fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
     ax = fig.subplots()
     x = {lv: i for i, lv in enumerate(levels)}
-    algos = sorted(cells["algo"].unique())
+    rank = {a: i for i, a in enumerate(PRESET_ORDER)}
+    algos = sorted(cells["algo"].unique(), key=lambda a: (rank.get(a, len(rank)), a))
     offsets = np.linspace(-0.22, 0.22, max(1, len(algos)))
     for off, algo in zip(offsets, algos):
         c = cells[cells["algo"] == algo].copy()
@@ -166,7 +187,7 @@ def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str
         c = c.sort_values("x")
         err = np.vstack([c["collapse_p"] - c["collapse_p_low"],
                          c["collapse_p_high"] - c["collapse_p"]]).clip(min=0.0)  # float noise at 0, 1
-        ax.errorbar(c["x"], c["collapse_p"], yerr=err, marker="o", ms=4, lw=1.2, capsize=2,
+        ax.errorbar(c["x"], c["collapse_p"], yerr=err, marker=preset_marker(algo), ms=5, lw=1.2, capsize=2,
                     color=preset_color(algo), label=algo)
     ax.set_xticks(range(len(levels)), [(labels or {}).get(lv, lv) for lv in levels], fontsize=8)
     ax.set_ylim(-0.03, 1.03)
@@ -199,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = cell_table(runs)
         cells.to_csv(a.out / "cells.csv", index=False)
         pairwise_table(runs).to_csv(a.out / "pairwise.csv", index=False)
-        fig = fig_frontier(cells, levels)
+        fig = fig_frontier(cells, levels, labels=level_labels(study.runs, study.params, levels))
         for ext in ("png", "pdf"):
             fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)
     except AnalysisError as e:

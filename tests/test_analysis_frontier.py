@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.frontier import cell_table, fig_frontier, holm, level_order, pairwise_table, wilson_interval
+from analysis.frontier import (cell_table, fig_frontier, holm, level_labels, level_order, pairwise_table,
+                               wilson_interval)
 
 
 def test_wilson_interval_hand_values():
@@ -73,3 +74,14 @@ def test_sweep_optimum_best_and_flatness():
     assert out["within_0.02"] == 2 and out["best algo.clip_high"] == 0.3
     assert out["algo.clip_high range within 0.02"] == "[0.3, 0.4]"
     assert out["top5_spread"] == pytest.approx(0.36)
+
+
+def test_level_labels_name_the_settings_and_flag_mixed_ones():
+    runs = pd.DataFrame({"run_id": ["a", "b", "c"], "experiment": ["frontier_l1", "frontier_l1", "frontier_l2"]})
+    params = pd.DataFrame({"run_id": ["a", "a", "b", "b", "c", "c"],
+                           "key": ["trainer.actor_lr", "trainer.ppo_epochs"] * 3,
+                           "value": ["0.0001", "1", "0.0001", "2", "0.001", "4"]})
+    labels = level_labels(runs, params, ["frontier_l1", "frontier_l2", "frontier_l9"])
+    assert labels["frontier_l1"] == "frontier_l1\nlr 0.0001 x ? ep"
+    assert labels["frontier_l2"] == "frontier_l2\nlr 0.001 x 4 ep"
+    assert labels["frontier_l9"] == "frontier_l9"
