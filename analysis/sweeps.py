@@ -1,12 +1,19 @@
 """Optuna sweeps (clip ranges, correction τ): trials as a table and parameters against the objective.
 
+`python -m analysis.sweeps --study NAME [--study NAME2] --out DIR [--storage URL]` writes, per
+study, `<study>_trials.csv`, `<study>_optimum.json` (`sweep_optimum`) and `<study>.png/pdf`.
+
 A pruned trial has no final value; its objective here is its last reported intermediate value,
 and it is marked (`pruned` column, grey crosses in the figure). Optuna is imported lazily.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -141,3 +148,34 @@ def _axis_values(col: pd.Series) -> tuple[np.ndarray, bool]:
         return num.to_numpy(dtype=float), True
     cats = list(dict.fromkeys(col.astype(str)))
     return col.astype(str).map({c: i for i, c in enumerate(cats)}).to_numpy(dtype=float), False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.sweeps",
+                                description="Trials, optimum and figure of Optuna sweeps.")
+    p.add_argument("--study", action="append", required=True, help="Optuna study name (repeatable)")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--storage", default=DEFAULT_STORAGE, help=f"Optuna storage URL (default {DEFAULT_STORAGE})")
+    p.add_argument("--tolerance", type=float, default=0.02,
+                   help="objective distance from the best that counts as near-optimal (default 0.02)")
+    a = p.parse_args(argv)
+    try:
+        frames = {name: trials_frame(a.storage, name) for name in a.study}
+    except AnalysisError as e:
+        print(f"analysis.sweeps: error: {e}", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name, trials in frames.items():
+        trials.to_csv(a.out / f"{name}_trials.csv", index=False)
+        best = sweep_optimum(trials, tolerance=a.tolerance)
+        (a.out / f"{name}_optimum.json").write_text(json.dumps(best, indent=2, default=str) + "\n")
+        fig = fig_sweep(trials, title=name)
+        for ext in ("png", "pdf"):
+            fig.savefig(a.out / f"{name}.{ext}", dpi=110)
+        print(f"{name}: {best.get('completed', 0)}/{len(trials)} trials completed, best objective "
+              f"{best.get('best_objective', float('nan')):.3f} (trial {best.get('best_trial', '-')})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

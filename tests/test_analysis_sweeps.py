@@ -68,3 +68,18 @@ def test_missing_storage_and_unknown_study_are_one_line(tmp_path, optuna_url):
     assert not path.exists()
     with pytest.raises(AnalysisError, match=f"'nope' not found in .*available: {SWEEP}"):
         trials_frame(optuna_url, "nope")
+
+
+def test_cli_writes_trials_optimum_and_figure_and_fails_in_one_line(tmp_path, optuna_url, capsys):
+    import json
+
+    from analysis.sweeps import main
+
+    assert main(["--storage", optuna_url, "--study", SWEEP, "--out", str(tmp_path / "out")]) == 0
+    best = json.loads((tmp_path / "out" / f"{SWEEP}_optimum.json").read_text())
+    assert best["best_trial"] == 1 and best["best_objective"] == 0.72 and best["pruned"] == 1
+    assert (tmp_path / "out" / f"{SWEEP}_trials.csv").read_text().count("\n") == 5
+    assert (tmp_path / "out" / f"{SWEEP}.png").stat().st_size > 0
+    assert main(["--storage", optuna_url, "--study", "nope", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("analysis.sweeps: error:") and "\n" not in err and not (tmp_path / "x").exists()
