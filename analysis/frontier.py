@@ -21,7 +21,10 @@ after its fit, and the mean over training steps of `critic/vf_explained_var`.
 
 `python -m analysis.frontier --parquet DIR [--parquet DIR2 …] --out DIR` writes cells.csv,
 pairwise.csv and fig_frontier (PNG, PDF) for the levels found (`--level-prefix`, default
-`frontier_`), and critic.csv when critic warm-start experiments (`critic_ws_<level>`) are there.
+`frontier_`), critic.csv when critic warm-start experiments (`critic_ws_<level>`) are there, and
+the early warning over every run of the levels (`analysis.warning`, default alarm rule):
+warning.csv, warning_runs.csv, fig_early_warning and warning_thresholds.csv (the table at each
+threshold of `--thresholds`).
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from matplotlib.figure import Figure
 
 from .collapse import collapse_table
 from .figures import PRESET_ORDER, preset_color, preset_marker
+from .load import Study
 from .stats import bootstrap_mean_ci, welch_test
 from .store import AnalysisError
 from stppo import tracking as T
 
 from .tables import per_run_table, per_run_value
+from .warning import early_warning, fig_early_warning, threshold_sweep
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -100,6 +105,12 @@ def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]
     return out
 
 
+def _finite_mean(values) -> float:
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else float("nan")
+
+
 def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
     """One row per (experiment = level, algo) of a per-run table (`per_run_table`)."""
     rows = []
@@ -112,9 +123,9 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
         rows.append({"level": level, "algo": algo, "runs": n, "collapsed": k, "collapse_p": k / n,
                      "collapse_p_low": low, "collapse_p_high": high,
                      "median_onset": float(onset.median()) if len(onset) else np.nan,
-                     "final_success": float(np.nanmean(grp["final_success"])) if n else np.nan,
+                     "final_success": _finite_mean(grp["final_success"]),
                      "final_success_low": s_low, "final_success_high": s_high,
-                     "peak_grad_norm": float(np.nanmean(grp["peak_grad_norm"])) if n else np.nan,
+                     "peak_grad_norm": _finite_mean(grp["peak_grad_norm"]),
                      "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high})
     return pd.DataFrame(rows)
 
@@ -198,12 +209,38 @@ def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str
     return fig
 
 
+def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Path, thresholds: str) -> None:
+    """The early-warning table over every run of the levels (default alarm rule), its per-run
+    rows and figure, and the table at each threshold of `thresholds` (warning_thresholds.csv)."""
+    try:
+        hs = [float(h) for h in thresholds.split(",") if h.strip()]
+    except ValueError:
+        raise AnalysisError(f"--thresholds must be comma-separated numbers, got {thresholds!r}") from None
+    if not hs or min(hs) <= 0:
+        raise AnalysisError(f"--thresholds must be positive numbers, got {thresholds!r}")
+    ids = set(study.runs.loc[study.runs["experiment"].isin(levels), "run_id"].astype(str))
+    sub = Study(study.uri, tuple(levels), study.runs[study.runs["run_id"].astype(str).isin(ids)],
+                study.metrics[study.metrics["run_id"].astype(str).isin(ids)],
+                study.params[study.params["run_id"].astype(str).isin(ids)])
+    col = collapse[collapse["run_id"].astype(str).isin(ids)]
+    table, per_run = early_warning(sub, collapse=col)
+    table.to_csv(out / "warning.csv", index=False)
+    per_run.to_csv(out / "warning_runs.csv", index=False)
+    fig = fig_early_warning(table, per_run)
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"fig_early_warning.{ext}", dpi=120)
+    threshold_sweep(sub, hs, collapse=col).to_csv(out / "warning_thresholds.csv", index=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.frontier", description=__doc__.splitlines()[0])
     p.add_argument("--parquet", action="append", required=True, type=Path,
                    help="a folder written by `python -m analysis.export` (repeatable)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--level-prefix", default="frontier_")
+    p.add_argument("--thresholds", default="2,3,4,6,8",
+                   help="alarm thresholds h of warning_thresholds.csv (comma-separated; default 2,3,4,6,8)")
+    p.add_argument("--no-warning", action="store_true", help="skip the early-warning tables")
     a = p.parse_args(argv)
     from .export import load_exported
 
@@ -212,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         levels = level_order(study.experiments, a.level_prefix)
         if not levels:
             raise AnalysisError(f"no experiment named {a.level_prefix}* in {', '.join(map(str, a.parquet))}")
-        every = per_run_table(study, collapse_table(study))
+        collapse = collapse_table(study)
+        every = per_run_table(study, collapse)
         runs = every[every["experiment"].isin(levels)]
         a.out.mkdir(parents=True, exist_ok=True)
         if every["experiment"].str.startswith("critic_ws_").any():
@@ -223,10 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         fig = fig_frontier(cells, levels, labels=level_labels(study.runs, study.params, levels))
         for ext in ("png", "pdf"):
             fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)
+        if not a.no_warning:
+            _write_warning(study, collapse, levels, a.out, a.thresholds)
     except AnalysisError as e:
         print(f"analysis.frontier: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote cells.csv, pairwise.csv, fig_frontier.png/pdf to {a.out} ({len(runs)} runs, "
+    print(f"wrote cells.csv, pairwise.csv, fig_frontier.png/pdf{'' if a.no_warning else ', warning*'} to {a.out} ({len(runs)} runs, "
           f"{len(levels)} levels)")
     return 0
 

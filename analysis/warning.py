@@ -21,6 +21,7 @@ Runs that never logged any key of an indicator are left out of its row (`runs_wi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import matplotlib
@@ -149,6 +150,20 @@ def early_warning(study: Study, cfg: AlarmConfig | None = None, *, collapse: pd.
     stats = stats if stats is not None else run_statistics(study, cfg)
     runs = run_warnings(study, stats, cfg, collapse)
     return warning_table(runs, cfg, all_runs=len(study.runs)), runs
+
+
+def threshold_sweep(study: Study, thresholds: Sequence[float], cfg: AlarmConfig | None = None, *,
+                    collapse: pd.DataFrame | None = None) -> pd.DataFrame:
+    """`warning_table` at each threshold h (one h for every indicator), stacked: how lead time
+    and false alarms trade off as h moves. The alarm statistics are computed once."""
+    cfg = cfg or AlarmConfig()
+    collapse = collapse if collapse is not None else collapse_table(study)
+    stats = run_statistics(study, cfg)
+    tables = []
+    for h in thresholds:
+        at = dataclasses.replace(cfg, threshold=float(h), thresholds={})
+        tables.append(warning_table(run_warnings(study, stats, at, collapse), at, all_runs=len(study.runs)))
+    return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=list(TABLE_COLUMNS))
 
 
 def fig_early_warning(table: pd.DataFrame, runs: pd.DataFrame) -> Figure:

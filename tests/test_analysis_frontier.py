@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from test_analysis_fixtures import SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
 
 from analysis.frontier import (cell_table, fig_frontier, holm, level_labels, level_order, pairwise_table,
                                wilson_interval)
@@ -85,3 +86,28 @@ def test_level_labels_name_the_settings_and_flag_mixed_ones():
     assert labels["frontier_l1"] == "frontier_l1\nlr 0.0001 x ? ep"
     assert labels["frontier_l2"] == "frontier_l2\nlr 0.001 x 4 ep"
     assert labels["frontier_l9"] == "frontier_l9"
+
+
+def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workbench_uri, tmp_path, monkeypatch,
+                                                                         capsys):
+    from analysis import load_study
+    from analysis.export import export_study
+    from analysis.frontier import main
+
+    monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
+    export_study(load_study(SIGNAL, workbench_uri), tmp_path / "part")
+    out = tmp_path / "out"
+    assert main(["--parquet", str(tmp_path / "part"), "--out", str(out), "--level-prefix", SIGNAL,
+                 "--thresholds", "3,1000"]) == 0
+    cells = pd.read_csv(out / "cells.csv")
+    assert cells["runs"].sum() == len(SIGNAL_RUNS)
+    assert cells["collapsed"].sum() == sum(onset is not None for onset, _ in SIGNAL_RUNS)
+    warning = pd.read_csv(out / "warning.csv").set_index("indicator")
+    sweep = pd.read_csv(out / "warning_thresholds.csv")
+    assert sorted(set(sweep["threshold"])) == [3.0, 1000.0]
+    assert (sweep[sweep["threshold"] == 1000.0]["warned"] == 0).all()
+    assert warning.loc["clip_frac", "collapsed_runs"] == cells["collapsed"].sum()
+    assert (out / "fig_early_warning.png").stat().st_size > 0 and (out / "fig_frontier.png").stat().st_size > 0
+    assert main(["--parquet", str(tmp_path / "part"), "--out", str(tmp_path / "bad"), "--level-prefix", SIGNAL,
+                 "--thresholds", "x"]) == 2
+    assert "--thresholds" in capsys.readouterr().err

@@ -101,6 +101,18 @@ def test_threshold_moves_the_trade_off_on_real_statistics(signal):
     assert lo["warned"] >= 3 and lo["auc"] == s["auc"]  # the AUC does not depend on h
 
 
+def test_threshold_sweep_stacks_one_table_per_threshold(signal):
+    from analysis.warning import threshold_sweep
+
+    sweep = threshold_sweep(signal, [0.5, 1000.0])
+    assert sorted(set(sweep["threshold"])) == [0.5, 1000.0]
+    lo = sweep[(sweep["threshold"] == 0.5) & (sweep["indicator"] == "clip_frac")].iloc[0]
+    hi = sweep[(sweep["threshold"] == 1000.0) & (sweep["indicator"] == "clip_frac")].iloc[0]
+    assert hi["warned"] == 0 and lo["warned"] >= 3 and lo["auc"] == hi["auc"]
+    single, _ = early_warning(signal, AlarmConfig(threshold=0.5))
+    pd.testing.assert_frame_equal(sweep[sweep["threshold"] == 0.5].reset_index(drop=True), single)
+
+
 def test_figure_and_report_write_the_warning_table(signal, workbench_uri, tmp_path, monkeypatch):
     table, runs = early_warning(signal)
     fig = fig_early_warning(table, runs)
