@@ -3,7 +3,7 @@
 Layout: N=64 trajectories of T=2048 tokens — a prompt, then ~8 agent turns alternating with
 observation segments, then padding. Prints, each on its own line:
     st_ppo_over_ppo: X        forward+backward of the ST-PPO policy loss (turn ratio +
-                              clip_bias_norm correction) ÷ the token-level PPO loss (goal ≤ 1.25)
+                              clip_bias_norm correction) ÷ the token-level PPO loss (goal ≤ 1.1)
     loop_over_vectorised: Y   forward+backward of a naive per-turn Python-loop turn ratio ÷ the
                               library's vectorised turn ratio (goal ≥ 20)
 and the raw timings on other lines. Times are medians over repeats after a warm-up, the
