@@ -24,7 +24,8 @@ pairwise.csv and fig_frontier (PNG, PDF) for the levels found (`--level-prefix`,
 `frontier_`), critic.csv when critic warm-start experiments (`critic_ws_<level>`) are there, and
 the early warning over every run of the levels (`analysis.warning`, default alarm rule):
 warning.csv, warning_runs.csv, fig_early_warning and warning_thresholds.csv (the table at each
-threshold of `--thresholds`).
+threshold of `--thresholds`); with `--warning-min-onset N` also both tables without the collapsed
+runs whose onset is before step N (they cannot be warned: the alarm needs its baseline first).
 """
 
 from __future__ import annotations
@@ -209,9 +210,13 @@ def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str
     return fig
 
 
-def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Path, thresholds: str) -> None:
+def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Path, thresholds: str,
+                   min_onset: int = 0) -> None:
     """The early-warning table over every run of the levels (default alarm rule), its per-run
-    rows and figure, and the table at each threshold of `thresholds` (warning_thresholds.csv)."""
+    rows and figure, and the table at each threshold of `thresholds` (warning_thresholds.csv).
+    With `min_onset` > 0 the same two tables again without the collapsed runs whose onset comes
+    before step `min_onset` (`warning_onset_ge<N>*.csv`): an alarm needs its baseline and its
+    streak first, so those runs cannot be warned by construction."""
     try:
         hs = [float(h) for h in thresholds.split(",") if h.strip()]
     except ValueError:
@@ -219,10 +224,7 @@ def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Pa
     if not hs or min(hs) <= 0:
         raise AnalysisError(f"--thresholds must be positive numbers, got {thresholds!r}")
     ids = set(study.runs.loc[study.runs["experiment"].isin(levels), "run_id"].astype(str))
-    sub = Study(study.uri, tuple(levels), study.runs[study.runs["run_id"].astype(str).isin(ids)],
-                study.metrics[study.metrics["run_id"].astype(str).isin(ids)],
-                study.params[study.params["run_id"].astype(str).isin(ids)])
-    col = collapse[collapse["run_id"].astype(str).isin(ids)]
+    sub, col = _subset(study, collapse, ids, levels)
     table, per_run = early_warning(sub, collapse=col)
     table.to_csv(out / "warning.csv", index=False)
     per_run.to_csv(out / "warning_runs.csv", index=False)
@@ -230,6 +232,21 @@ def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Pa
     for ext in ("png", "pdf"):
         fig.savefig(out / f"fig_early_warning.{ext}", dpi=120)
     threshold_sweep(sub, hs, collapse=col).to_csv(out / "warning_thresholds.csv", index=False)
+    if min_onset > 0:
+        early = col["collapsed"].astype(bool) & (col["collapse_step"].astype(float) < min_onset)
+        keep = ids - set(col.loc[early, "run_id"].astype(str))
+        sub, col = _subset(study, collapse, keep, levels)
+        early_warning(sub, collapse=col)[0].to_csv(out / f"warning_onset_ge{min_onset}.csv", index=False)
+        threshold_sweep(sub, hs, collapse=col).to_csv(out / f"warning_onset_ge{min_onset}_thresholds.csv",
+                                                      index=False)
+
+
+def _subset(study, collapse: pd.DataFrame, ids: set[str], levels: Sequence[str]) -> tuple[Study, pd.DataFrame]:
+    def mine(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame[frame["run_id"].astype(str).isin(ids)]
+
+    return (Study(study.uri, tuple(levels), mine(study.runs), mine(study.metrics), mine(study.params)),
+            mine(collapse))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--thresholds", default="2,3,4,6,8",
                    help="alarm thresholds h of warning_thresholds.csv (comma-separated; default 2,3,4,6,8)")
     p.add_argument("--no-warning", action="store_true", help="skip the early-warning tables")
+    p.add_argument("--warning-min-onset", type=int, default=0,
+                   help="also write the warning tables without collapsed runs whose onset is before this step")
     a = p.parse_args(argv)
     from .export import load_exported
 
@@ -262,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ext in ("png", "pdf"):
             fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)
         if not a.no_warning:
-            _write_warning(study, collapse, levels, a.out, a.thresholds)
+            _write_warning(study, collapse, levels, a.out, a.thresholds, a.warning_min_onset)
     except AnalysisError as e:
         print(f"analysis.frontier: error: {e}", file=sys.stderr)
         return 2

@@ -98,7 +98,7 @@ def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workben
     export_study(load_study(SIGNAL, workbench_uri), tmp_path / "part")
     out = tmp_path / "out"
     assert main(["--parquet", str(tmp_path / "part"), "--out", str(out), "--level-prefix", SIGNAL,
-                 "--thresholds", "3,1000"]) == 0
+                 "--thresholds", "3,1000", "--warning-min-onset", "28"]) == 0
     cells = pd.read_csv(out / "cells.csv")
     assert cells["runs"].sum() == len(SIGNAL_RUNS)
     assert cells["collapsed"].sum() == sum(onset is not None for onset, _ in SIGNAL_RUNS)
@@ -107,6 +107,9 @@ def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workben
     assert sorted(set(sweep["threshold"])) == [3.0, 1000.0]
     assert (sweep[sweep["threshold"] == 1000.0]["warned"] == 0).all()
     assert warning.loc["clip_frac", "collapsed_runs"] == cells["collapsed"].sum()
+    late = pd.read_csv(out / "warning_onset_ge28.csv").set_index("indicator")  # onsets 25, 30, 28, 27
+    assert late.loc["clip_frac", "collapsed_runs"] == 2 and late.loc["clip_frac", "stable_runs"] == 3
+    assert (out / "warning_onset_ge28_thresholds.csv").exists()
     assert (out / "fig_early_warning.png").stat().st_size > 0 and (out / "fig_frontier.png").stat().st_size > 0
     assert main(["--parquet", str(tmp_path / "part"), "--out", str(tmp_path / "bad"), "--level-prefix", SIGNAL,
                  "--thresholds", "x"]) == 2
