@@ -205,7 +205,7 @@ def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("off-policyness level")
     ax.set_ylabel("P(collapse)  (Wilson 95%)")
-    ax.legend(ncol=2, fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="preset", title_fontsize=7)
     ax.grid(alpha=0.3)
     return fig
 
