@@ -13,6 +13,9 @@ Pairwise comparisons within a level, for every pair of presets: Fisher's exact t
 collapse counts and Welch's t-test of final success; the p-values of each family (one level, one
 test) are adjusted with Holm's step-down method (Holm 1979), which controls the family-wise error
 rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
+Pooled contrasts (`contrast_table`, contrasts.csv): pre-specified groups of presets (critic vs
+critic-free, token vs turn ratio, uncorrected vs corrected), the same two tests per level, Holm
+over the whole table.
 
 The critic warm-start comparison (`critic_table`): per (level, GAE preset), runs with
 `trainer.critic_warmstart` (experiments `critic_ws_<level>`) against the same cells of the grid:
@@ -157,6 +160,41 @@ def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+GAE_PRESETS = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo")
+# Pre-specified pooled contrasts (group a vs group b), the paper's claims at the level of families:
+CONTRASTS = {
+    "critic (GAE) vs critic-free": (GAE_PRESETS, ("grpo", "gspo", "so_grpo", "cispo", "gmpo", "sapo", "dapo", "rloo")),
+    "token vs turn ratio (GAE)": (("ppo", "s_ppo"), ("turn_ppo", "st_ppo", "so_ppo")),
+    "uncorrected vs corrected (GAE)": (("ppo", "turn_ppo"), ("s_ppo", "st_ppo", "so_ppo")),
+    "ppo vs s_ppo + st_ppo": (("ppo",), ("s_ppo", "st_ppo")),
+}
+
+
+def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str], Sequence[str]]] | None = None
+                   ) -> pd.DataFrame:
+    """Per (level, contrast): the pooled collapse counts of the two preset groups, Fisher's exact
+    test, the groups' mean final success and Welch's t-test; Holm-adjusted over every row of the
+    table (one family per test)."""
+    rows = []
+    for level, lv in runs.groupby("experiment", sort=True):
+        for name, (ga, gb) in (contrasts or CONTRASTS).items():
+            a, b = lv[lv["algo"].isin(ga)], lv[lv["algo"].isin(gb)]
+            if a.empty or b.empty:
+                continue
+            ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
+            w = welch_test(a["final_success"], b["final_success"])
+            rows.append({"level": level, "contrast": name, "collapsed_a": f"{ka}/{len(a)}",
+                         "collapsed_b": f"{kb}/{len(b)}",
+                         "fisher_p": float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]),
+                         "success_a": _finite_mean(a["final_success"]), "success_b": _finite_mean(b["final_success"]),
+                         "welch_p": w["p"]})
+    out = pd.DataFrame(rows)
+    if len(out):
+        out["fisher_p_holm"] = holm(out["fisher_p"].to_numpy())
+        out["welch_p_holm"] = holm(out["welch_p"].to_numpy())
+    return out
+
+
 def critic_table(study, runs: pd.DataFrame, *, prefix: str = "frontier_",
                  warm_prefix: str = "critic_ws_") -> pd.DataFrame:
     """One row per (level, algo) that has warm-started runs: with vs without the critic warm start
@@ -277,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = cell_table(runs)
         cells.to_csv(a.out / "cells.csv", index=False)
         pairwise_table(runs).to_csv(a.out / "pairwise.csv", index=False)
+        contrast_table(runs).to_csv(a.out / "contrasts.csv", index=False)
         fig = fig_frontier(cells, levels, labels=level_labels(study.runs, study.params, levels))
         for ext in ("png", "pdf"):
             fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)

@@ -114,3 +114,22 @@ def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workben
     assert main(["--parquet", str(tmp_path / "part"), "--out", str(tmp_path / "bad"), "--level-prefix", SIGNAL,
                  "--thresholds", "x"]) == 2
     assert "--thresholds" in capsys.readouterr().err
+
+
+def test_contrast_table_pools_the_groups_and_adjusts_over_the_table():
+    from analysis.frontier import contrast_table
+
+    rows = []
+    for algo, collapsed in [("ppo", [1, 1, 1]), ("s_ppo", [1, 1, 0]), ("grpo", [0, 0, 0]), ("dapo", [0, 0, 1])]:
+        for seed, c in enumerate(collapsed):
+            rows.append({"experiment": "frontier_l3", "algo": algo, "seed": seed, "collapsed": bool(c),
+                         "final_success": 0.2 if c else 0.8 + 0.01 * seed})
+    runs = pd.DataFrame(rows)
+    out = contrast_table(runs, {"gae vs free": (("ppo", "s_ppo"), ("grpo", "dapo")),
+                                "ppo vs dapo": (("ppo",), ("dapo",)), "absent": (("ppo",), ("rloo",))})
+    assert out["contrast"].tolist() == ["gae vs free", "ppo vs dapo"]  # a group with no run: no row
+    first = out.iloc[0]
+    assert (first["collapsed_a"], first["collapsed_b"]) == ("5/6", "1/6")
+    assert first["fisher_p"] == pytest.approx(0.08008, abs=1e-4)  # Fisher's exact, [[5,1],[1,5]]
+    assert first["fisher_p_holm"] == pytest.approx(min(1.0, 2 * out["fisher_p"].min()))
+    assert first["success_a"] == pytest.approx((0.2 * 5 + 0.82) / 6)
