@@ -8,6 +8,7 @@ a *cell* is (level, preset). Per cell:
                           (p̂ + z²/2n ± z √(p̂(1−p̂)/n + z²/4n²)) / (1 + z²/n)
     final success         mean of the runs' last greedy val/success_rate, percentile bootstrap CI
     peak grad norm        mean of the runs' maximal pre-clip gradient norm, bootstrap CI (≥ 0)
+    clip fraction, KL     mean over runs of each run's mean actor/pg_clipfrac and actor/ppo_kl
 
 Pairwise comparisons within a level, for every pair of presets: Fisher's exact test of the
 collapse counts and Welch's t-test of final success; the p-values of each family (one level, one
@@ -130,7 +131,9 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
                      "final_success": _finite_mean(grp["final_success"]),
                      "final_success_low": s_low, "final_success_high": s_high,
                      "peak_grad_norm": _finite_mean(grp["peak_grad_norm"]),
-                     "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high})
+                     "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high,
+                     "mean_clipfrac": _finite_mean(grp["mean_clipfrac"]) if "mean_clipfrac" in grp else np.nan,
+                     "mean_ppo_kl": _finite_mean(grp["mean_ppo_kl"]) if "mean_ppo_kl" in grp else np.nan})
     return pd.DataFrame(rows)
 
 

@@ -44,7 +44,8 @@ def _runs() -> pd.DataFrame:
                 collapsed = seed < k
                 rows.append({"experiment": level, "algo": algo, "seed": str(seed), "collapsed": collapsed,
                              "collapse_step": 5.0 + seed if collapsed else np.nan,
-                             "final_success": 0.1 if collapsed else 0.9, "peak_grad_norm": 3.0 if collapsed else 1.0})
+                             "final_success": 0.1 if collapsed else 0.9, "peak_grad_norm": 3.0 if collapsed else 1.0,
+                             "mean_clipfrac": 0.1 * (seed + 1), "mean_ppo_kl": np.nan if seed == 0 else 0.02})
     return pd.DataFrame(rows)
 
 
@@ -55,6 +56,7 @@ def test_cells_pairwise_and_figure():
     assert (c["runs"], c["collapsed"], c["collapse_p"], c["median_onset"]) == (3, 3, 1.0, 6.0)
     assert c["collapse_p_low"] == pytest.approx(1 - 0.5615, abs=1e-4) and c["collapse_p_high"] == 1.0
     assert cells.loc[("frontier_l1", "grpo"), "final_success"] == pytest.approx(0.9)
+    assert c["mean_clipfrac"] == pytest.approx(0.2) and c["mean_ppo_kl"] == pytest.approx(0.02)  # NaN left out
     pw = pairwise_table(runs).set_index("level")
     assert pw.loc["frontier_l2", "fisher_p"] == pytest.approx(0.1)  # 3/3 vs 0/3, two-sided
     assert pw.loc["frontier_l1", "fisher_p"] == 1.0
