@@ -54,7 +54,7 @@ from .store import AnalysisError
 from stppo import tracking as T
 
 from .tables import per_run_table, per_run_value
-from .warning import early_warning, fig_early_warning, threshold_sweep
+from .warning import early_warning, fig_early_warning, run_statistics, threshold_sweep
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -266,20 +266,22 @@ def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Pa
         raise AnalysisError(f"--thresholds must be positive numbers, got {thresholds!r}")
     ids = set(study.runs.loc[study.runs["experiment"].isin(levels), "run_id"].astype(str))
     sub, col = _subset(study, collapse, ids, levels)
-    table, per_run = early_warning(sub, collapse=col)
+    stats = run_statistics(sub)  # the alarm statistics of every run, shared by the tables below
+    table, per_run = early_warning(sub, collapse=col, stats=stats)
     table.to_csv(out / "warning.csv", index=False)
     per_run.to_csv(out / "warning_runs.csv", index=False)
     fig = fig_early_warning(table, per_run)
     for ext in ("png", "pdf"):
         fig.savefig(out / f"fig_early_warning.{ext}", dpi=120)
-    threshold_sweep(sub, hs, collapse=col).to_csv(out / "warning_thresholds.csv", index=False)
+    threshold_sweep(sub, hs, collapse=col, stats=stats).to_csv(out / "warning_thresholds.csv", index=False)
     if min_onset > 0:
         early = col["collapsed"].astype(bool) & (col["collapse_step"].astype(float) < min_onset)
         keep = ids - set(col.loc[early, "run_id"].astype(str))
         sub, col = _subset(study, collapse, keep, levels)
-        early_warning(sub, collapse=col)[0].to_csv(out / f"warning_onset_ge{min_onset}.csv", index=False)
-        threshold_sweep(sub, hs, collapse=col).to_csv(out / f"warning_onset_ge{min_onset}_thresholds.csv",
-                                                      index=False)
+        kept = stats[stats["run_id"].isin(keep)]
+        early_warning(sub, collapse=col, stats=kept)[0].to_csv(out / f"warning_onset_ge{min_onset}.csv", index=False)
+        threshold_sweep(sub, hs, collapse=col, stats=kept).to_csv(
+            out / f"warning_onset_ge{min_onset}_thresholds.csv", index=False)
 
 
 def _subset(study, collapse: pd.DataFrame, ids: set[str], levels: Sequence[str]) -> tuple[Study, pd.DataFrame]:

@@ -153,12 +153,13 @@ def early_warning(study: Study, cfg: AlarmConfig | None = None, *, collapse: pd.
 
 
 def threshold_sweep(study: Study, thresholds: Sequence[float], cfg: AlarmConfig | None = None, *,
-                    collapse: pd.DataFrame | None = None) -> pd.DataFrame:
+                    collapse: pd.DataFrame | None = None, stats: pd.DataFrame | None = None) -> pd.DataFrame:
     """`warning_table` at each threshold h (one h for every indicator), stacked: how lead time
-    and false alarms trade off as h moves. The alarm statistics are computed once."""
+    and false alarms trade off as h moves. The alarm statistics (`run_statistics`, or `stats`
+    when given) are computed once."""
     cfg = cfg or AlarmConfig()
     collapse = collapse if collapse is not None else collapse_table(study)
-    stats = run_statistics(study, cfg)
+    stats = stats if stats is not None else run_statistics(study, cfg)
     tables = []
     for h in thresholds:
         at = dataclasses.replace(cfg, threshold=float(h), thresholds={})
