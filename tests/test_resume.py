@@ -78,3 +78,25 @@ def test_checkpoint_write_is_atomic(tmp_path):
     checkpoint.save(tmp_path, {"step": 1, "w": torch.ones(2)})
     (tmp_path / (checkpoint.FILE + ".tmp")).write_bytes(b"partial write")  # a kill mid-save
     assert checkpoint.load(tmp_path)["step"] == 1
+
+
+def test_sigterm_closes_the_run_killed_and_keeps_what_it_logged(tmp_path):
+    """A scheduler's SIGTERM, wherever it lands (inside an MLflow call included), ends the command
+    with 143 and closes the run KILLED with the steps logged so far."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [sys.executable, str(ROOT / "run.py"), *TINY_OVERRIDES, "trainer.total_steps=200", "algo=ppo", "trainer.warmstart.enabled=false",
+            f"tracking.uri={uri}", f"trainer.out_dir={tmp_path}/runs", "tracking.experiment=term",
+            f"hydra.run.dir={tmp_path}/hydra"]
+    proc = subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline, logged = time.time() + 240, []
+    while time.time() < deadline and proc.poll() is None and len(logged) < 2:
+        runs = _runs(uri, "term")
+        logged = MlflowClient(uri).get_metric_history(runs[0].info.run_id, K.SUCCESS_RATE) if runs else []
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended before it could be stopped: {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    (run,) = _runs(uri, "term")
+    assert run.info.status == "KILLED" and run.data.tags["error"] == "Terminated: received SIGTERM"
+    assert len(MlflowClient(uri).get_metric_history(run.info.run_id, K.SUCCESS_RATE)) >= len(logged)

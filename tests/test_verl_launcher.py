@@ -189,6 +189,27 @@ def test_sigterm_stops_verl_and_closes_the_run_killed(tmp_path, verl_python):
     assert run.info.status == "KILLED" and run.data.tags["error"] == "Terminated: received SIGTERM"
 
 
+def test_a_signal_inside_the_metrics_poll_is_not_taken_for_a_tracking_hiccup():
+    """SIGTERM lands wherever the launcher is; inside the poll (MLflow reads) it must still stop the job.
+    Before Terminated was a BaseException the poll's `except Exception` logged it and went on."""
+    class Busy:
+        def poll(self):
+            L._raise(signal.SIGTERM, None)  # what the handler does when the signal arrives here
+
+    class Hiccup:
+        calls = 0
+
+        def poll(self):
+            self.calls += 1
+            raise OSError("database is locked")
+
+    with pytest.raises(L.Terminated, match="received SIGTERM"):
+        L._poll(Busy())
+    hiccup = Hiccup()
+    L._poll(hiccup)  # a tracking error is logged, the training goes on
+    assert hiccup.calls == 1
+
+
 def _args(tmp: Path) -> list[str]:
     return ["backend=verl", "model=qwen2_5_0_5b", "trainer.warmstart.enabled=false", "task.prompt_style=search_r1",
             "trainer.rollout.max_total_tokens=1024", f"tracking.uri=sqlite:///{tmp}/mlflow.db",

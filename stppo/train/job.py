@@ -46,8 +46,10 @@ def run_params(cfg: Config) -> dict[str, str]:
     return {**K.flatten(asdict(cfg)), "derived.old_log_prob_pass": "skipped" if skipped else "computed"}
 
 
-class Terminated(Exception):
-    """SIGTERM: the job was stopped from outside (scheduler, launcher, user)."""
+class Terminated(BaseException):
+    """SIGTERM: the job was stopped from outside (scheduler, launcher, user). A BaseException (as
+    KeyboardInterrupt), so no `except Exception` that the signal lands in (a retried MLflow call, a
+    diagnostics guard) swallows it."""
 
 
 def _on_sigterm(signum, frame):

@@ -49,8 +49,10 @@ PROBE = ("import json, sys, torch, verl; print(json.dumps({'verl': verl.__versio
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class Terminated(Exception):
-    """SIGTERM / SIGHUP: the job was stopped from outside; verl is stopped, the run is KILLED."""
+class Terminated(BaseException):
+    """SIGTERM / SIGHUP: the job was stopped from outside; verl is stopped, the run is KILLED.
+    A BaseException (as KeyboardInterrupt): the signal may land inside code that retries or logs
+    any Exception (the metrics poll, MLflow's client), which must not swallow it."""
 
 
 class VerlFailed(RuntimeError):
