@@ -1,6 +1,7 @@
 """Turn segments and the turn-level fast path of policy_loss (stppo.algos.segments, DESIGN.md §2):
-segment layout, the TurnRatio / TurnDot autograd nodes (gradcheck, loop reference, garbage),
-per-row aggregation factors, cached correction specs."""
+segment layout, the TurnRatio autograd node, the per-turn statistics of the clipped loss
+(stppo.algos.turn_clip: parts by sign of A, saturated log-ratios), per-row aggregation factors,
+cached correction specs."""
 
 import math
 
@@ -12,9 +13,10 @@ from stppo.algos import (Correction, agg_weights, clip_bias_term, clipped_surrog
                          importance_ratio, log_ratio, policy_loss, resolve_correction, turn_ratio)
 from stppo.algos.aggregation import agg_denoms, agg_row_weights, mask_float
 from stppo.algos.ratios import clamped_log_ratio
-from stppo.algos.segments import INTERLEAVE, TurnDot, TurnRatio, TurnSegments
+from stppo.algos.segments import INTERLEAVE, TurnRatio, TurnSegments
+from stppo.algos.turn_clip import TurnStats
 from test_algos_corrections import linear_policy
-from test_algos_helpers import loop_ratio, make_inputs, with_garbage
+from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 B = INTERLEAVE
 CLIP = dict(clip_low=0.2, clip_high=0.2)
@@ -70,37 +72,40 @@ def test_turn_ratio_node_gradcheck_float64():
                                     (delta.clone().requires_grad_(True),))
 
 
-def turn_dot(diff, coef, segs, scale):
-    return TurnDot.apply(diff, segs.ratio(diff)[0], coef, segs, scale)
+def test_turn_stats_hand_computed_parts_by_sign_of_the_advantage():
+    mask = torch.tensor([[True, True, True, False, True, True], [False] * 6])
+    turns = torch.tensor([[0, 0, 0, 7, 1, 1], [3] * 6])  # 7 and 3 are off the mask
+    adv = torch.where(mask, torch.tensor([[2.0, -1.0, 0.0, 9.0, 3.0, 4.0], [5.0] * 6]), 0.0)
+    lp = torch.tensor([[0.3, 0.1, 0.2, math.nan, 25.0, 1.0], [math.inf] * 6])
+    diff = lp.clamp(-20, 20)
+    st = TurnStats.build(diff, adv, mask, turns)
+    assert st.n.shape == (2, 3, 3)  # K = max turn id + 2 segments, 3 parts (A < 0, = 0, > 0)
+    assert st.n[0].tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 2]] and not st.n[1].any()
+    assert st.s[0, 1].tolist() == [-1.0, 0.0, 2.0] and st.s[0, 2].tolist() == [0.0, 0.0, 7.0]
+    assert st.q[0, 2].tolist() == [0.0, 0.0, 25.0]
+    assert st.count[0].tolist() == [0.0, 3.0, 2.0] and st.inv_count[0, 0] == 0.0
+    assert torch.allclose(st.delta_sum[0], torch.tensor([0.0, 0.6, 21.0]))
+    assert torch.allclose(st.rho[0], torch.tensor([1.0, math.exp(0.2), math.exp(10.5)]))
+    assert st.rho[1].tolist() == [1.0, 1.0, 1.0]  # no agent token: ratio 1, garbage discarded
+    v = torch.tensor([[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]])
+    assert st.gather(v).tolist() == [[20.0, 20, 20, 10, 30, 30], [40.0] * 6]
 
 
-def test_turn_dot_gradcheck_float64():
-    x = make_inputs(3, 10, seed=4, dtype=torch.float64, max_turns=3)
-    segs = segments_of(x)
-    coef = torch.where(x["loss_mask"], torch.randn(3, 10, dtype=torch.float64), 0.0)
-    scale = torch.tensor([[0.5], [2.0], [1.0]], dtype=torch.float64)
-    diff = clamped_log_ratio(x["log_probs"], x["old_log_probs"])
-    assert torch.autograd.gradcheck(lambda d: turn_dot(d, coef, segs, scale),
-                                    (diff.clone().requires_grad_(True),))
-
-
-def test_turn_dot_equals_loop_reference_and_ignores_garbage():
-    x = make_inputs(4, 14, seed=5, dtype=torch.float64, max_turns=4, empty_row=True)
-    x["turn_ids"] = torch.where(x["loss_mask"], 3 - x["turn_ids"], -1)  # ids need not increase
+def test_saturated_log_ratios_and_zero_advantages_at_turn_level_match_the_loop_reference():
+    x = make_inputs(4, 14, seed=11, spread=0.5, dtype=torch.float64, max_turns=3)
     mask = x["loss_mask"]
-    segs = segments_of(x)
-    coef = torch.where(mask, torch.randn(4, 14, dtype=torch.float64), 0.0)
-    scale = torch.tensor([[0.5], [2.0], [1.0], [3.0]], dtype=torch.float64)
-    lp_ref = x["log_probs"].clone().requires_grad_(True)
-    ref = (loop_ratio(lp_ref, x["old_log_probs"], mask, x["turn_ids"], "turn") * coef * scale).sum()
-    ref.backward()
-    for lp0 in (x["log_probs"], with_garbage(x["log_probs"], mask)):
-        lp = lp0.clone().requires_grad_(True)
-        out = turn_dot(clamped_log_ratio(lp, x["old_log_probs"]), coef, segs, scale)
-        out.backward()
-        assert torch.allclose(out, ref)
-        assert torch.allclose(lp.grad, lp_ref.grad)
-        assert (lp.grad[~mask] == 0).all()
+    idx = mask.nonzero()
+    x["log_probs"][tuple(idx[::5].T)] += 26.0  # δ clamps to 20: no gradient through those tokens
+    x["advantages"][tuple(idx[1::4].T)] = 0.0
+    lp1, lp2 = (x["log_probs"].clone().requires_grad_(True) for _ in range(2))
+    loss, m = run(x, lp=lp1, dual_clip=3.0)
+    rho = loop_ratio(lp2, x["old_log_probs"], mask, x["turn_ids"], "turn")
+    s, hi, lo = loop_surrogate(rho, x["advantages"], mask, 0.2, 0.2, 3.0)
+    ref = loop_agg(s, mask, "seq-mean-token-mean")
+    (loss + ref).backward()  # independent graphs: each gets its own gradient
+    assert torch.allclose(loss, ref) and torch.allclose(lp1.grad, lp2.grad)
+    assert (lp1.grad[tuple(idx[::5].T)] == 0).all() and (lp1.grad[mask] != 0).any()
+    assert m[K.PG_CLIPFRAC].item() == pytest.approx((hi | lo).sum().item() / mask.sum().item())
 
 
 def test_agg_row_weights_times_mask_are_agg_weights():

@@ -110,15 +110,21 @@ def sequence_clip_bias_norm(bias_sq: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (bias_sq.sum(dim=1) / length).sqrt()
 
 
-def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped: torch.Tensor,
-                         loss_mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
-    """r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8) over agent tokens (0 if none is clipped); with
-    `reduce`, over the agent tokens of every shard. Detached 0-d."""
+def clip_rms_sums(ratio: torch.Tensor, advantages: torch.Tensor, clipped: torch.Tensor,
+                  loss_mask: torch.Tensor) -> torch.Tensor:
+    """(Σ κ(ρA)², Σ (ρA)², #κ, #agent tokens) over agent tokens, detached (4,): what
+    `clip_triggered_ratio` needs, summable over shards."""
     with torch.no_grad():
         sq = torch.where(loss_mask, (ratio * advantages).square(), 0.0)  # (N, T)
         clipped = clipped & loss_mask
-        sums = torch.stack([torch.where(clipped, sq, 0.0).sum(), sq.sum(),
+        return torch.stack([torch.where(clipped, sq, 0.0).sum(), sq.sum(),
                             clipped.sum().to(sq.dtype), loss_mask.sum().to(sq.dtype)])
+
+
+def rms_ratio(sums: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
+    """r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8) from `clip_rms_sums` (summed over the shards with
+    `reduce`); 0 if nothing is clipped. Detached 0-d."""
+    with torch.no_grad():
         if reduce is not None:
             sums = reduce(sums)
         sq_c, sq_all, n_c, n = sums.unbind()
@@ -128,19 +134,24 @@ def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped:
         return rms_c / (rms_u + RMS_EPS)
 
 
+def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped: torch.Tensor,
+                         loss_mask: torch.Tensor, reduce: Reduce = None) -> torch.Tensor:
+    """r = RMS(ρA | κ) / (RMS(ρA | ¬κ) + 1e-8) over agent tokens (0 if none is clipped); with
+    `reduce`, over the agent tokens of every shard. Detached 0-d."""
+    return rms_ratio(clip_rms_sums(ratio, advantages, clipped, loss_mask), reduce)
+
+
 # --- correction spec -----------------------------------------------------------------------------
 @dataclass
 class ClipContext:
-    """What a correction may look at; built once per `policy_loss` call."""
+    """What a correction may look at; built once per `policy_loss` call, token by token
+    (`stppo.algos.loss`) or from turn statistics (`stppo.algos.turn_clip`)."""
 
-    ratio: torch.Tensor  # (N, T) ρ; with graph at token/sequence level and for estimator 'grad'
-    advantages: torch.Tensor  # (N, T) A, 0 off agent tokens
-    clipped: torch.Tensor  # (N, T) bool κ
-    loss_mask: torch.Tensor  # (N, T) bool
-    loss_agg: str
-    weights: torch.Tensor  # (N, T) agg weights (this call's denominators, or the global ones)
-    bias_sq: torch.Tensor  # (N, T) detached κ(ρA)²
     bias_norm: torch.Tensor  # 0-d detached clip_bias/norm (of the whole batch under `reduce`)
+    bias_rows: torch.Tensor  # (N,) detached Σ_{t∈i} κ(ρA)² per trajectory
+    lengths: torch.Tensor  # (N,) agent tokens per trajectory
+    rms_sums: Callable[[], torch.Tensor]  # → this shard's `clip_rms_sums` (4,), on demand
+    bias_term: Callable[[], torch.Tensor]  # → agg(κρA) with graph (its gradient is C), on demand
     params: Optional[list[torch.Tensor]] = None
     reduce: Reduce = None  # all-reduce sum over data-parallel shards
 
@@ -231,7 +242,7 @@ def _scale(norm: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 def _none(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
-    return torch.ones((), device=ctx.ratio.device), {}
+    return torch.ones((), device=ctx.bias_norm.device), {}
 
 
 def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
@@ -239,17 +250,15 @@ def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
         if ctx.params is None:
             raise ValueError("correction.estimator='grad' needs the policy parameters: pass "
                              "params=model.parameters() to policy_loss")
-        term = clip_bias_term(ctx.ratio, ctx.advantages, ctx.clipped, ctx.loss_mask, ctx.loss_agg,
-                              weights=ctx.weights)
-        g = clip_bias_grad_norm(term, ctx.params, ctx.reduce)
+        g = clip_bias_grad_norm(ctx.bias_term(), ctx.params, ctx.reduce)
         return _scale(g, spec.tau), {CLIP_BIAS_GRAD_NORM: g}
     if spec.granularity == "sequence":
-        return _scale(sequence_clip_bias_norm(ctx.bias_sq, ctx.loss_mask), spec.tau), {}
+        return _scale((ctx.bias_rows / ctx.lengths.clamp(min=1)).sqrt(), spec.tau), {}
     return _scale(ctx.bias_norm, spec.tau), {}
 
 
 def _clip_triggered(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
-    r = clip_triggered_ratio(ctx.ratio, ctx.advantages, ctx.clipped, ctx.loss_mask, ctx.reduce)
+    r = rms_ratio(ctx.rms_sums(), ctx.reduce)
     return torch.where(r > spec.tau, 1.0 / r.clamp(min=RMS_EPS), torch.ones_like(r)), {}
 
 

@@ -4,33 +4,28 @@
     L = λ · agg(s)        (batch granularity)      L = agg(λ_i s_{i,t})   (sequence granularity)
 
 with s the clipped surrogate of `stppo.algos.surrogate` at the ratio level of `stppo.algos.ratios`
-(token / turn / sequence) and λ the detached scale of `stppo.algos.clip_bias`. At the turn level
-the gradient of a token t in turn k is the closed form of ST-PPO (arXiv 2511.20718 v1) Lemma 4.1,
-w^k Â^k / |y^k| ∇ log π(y_t), times the aggregation weight, with Â^k = Σ_{t∈k} 1[unclipped] A_t.
+(token / turn / sequence) and λ the detached scale of `stppo.algos.clip_bias`. Every aggregation
+weight is w = m c_i (`stppo.algos.aggregation`), so with s = a ρ + b the loss is one dot product
+in ρ: Σ (λ w a) ρ + Σ λ w b.
 
-Turn level, per segment (`stppo.algos.segments`): every aggregation weight is w = m c_i, so with
-s = a ρ + b the loss is Σ_{i,k} λ_i c_i ρ^k C^k + Σ λ w b, C^k = Σ_{t∈k} a_t — one node
-(`TurnDot`) whose backward is a single gather of that closed form. Ratio statistics and PPO_KL
-come from the (N, K) segment sums; token-level work is only what the clipped surrogate and the
-diagnostics need (the same as at token level).
+This module computes it token by token (token and sequence ratios). At the turn level ρ is
+constant on a turn and `stppo.algos.turn_clip` computes the same loss, gradient (the closed form
+of ST-PPO, arXiv 2511.20718 v1, Lemma 4.1) and metrics from per-turn statistics instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
-from stppo.algos.aggregation import (LOSS_AGGS, GlobalDenoms, agg_row_weights, mask_float,
-                                     weighted_sum)
-from stppo.algos.clip_bias import (CORRECTIONS, ClipContext, Reduce, clip_bias_sq,
-                                   resolve_correction)
-from stppo.algos.ratios import RATIO_LEVELS, clamped_log_ratio, log_ratio
-from stppo.algos.segments import TurnDot, TurnRatio, TurnSegments
+from stppo.algos.aggregation import LOSS_AGGS, GlobalDenoms, agg_row_weights, mask_float, weighted_sum
+from stppo.algos.clip_bias import (CORRECTIONS, ClipContext, Reduce, clip_bias_sq, clip_bias_term,
+                                   clip_rms_sums, resolve_correction)
+from stppo.algos.clip_metrics import clip_metrics
+from stppo.algos.ratios import RATIO_LEVELS, log_ratio
 from stppo.algos.surrogate import surrogate_parts
-from stppo.tracking import (CLIP_BIAS_NORM, CLIP_BIAS_NORM_MAX, CLIP_BIAS_SCALE,
-                            CLIP_BIAS_TRIGGERED, PG_CLIPFRAC, PG_CLIPFRAC_HIGH, PG_CLIPFRAC_LOW,
-                            PG_LOSS, PG_LOSS_NORM, PPO_KL, RATIO_MAX, RATIO_MEAN)
+from stppo.algos.turn_clip import turn_clip_policy_loss
 
 TOKEN_TENSORS = ("log_probs", "old_log_probs", "advantages", "loss_mask", "turn_ids")
 
@@ -108,16 +103,21 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
     if reduce is not None and global_denoms is None:
         raise ValueError("policy_loss: reduce (data parallelism) needs global_denoms")
 
-    rs = _ratio_stage(log_probs, old_log_probs, loss_mask, turn_ids, ratio_level,
-                      live=spec is not None and spec.estimator == "grad")
-    ratio, mf = rs.ratio, rs.mask_float
+    if ratio_level == "turn":
+        return turn_clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
+                                     clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
+                                     spec=spec, dual_clip=dual_clip, global_denoms=global_denoms,
+                                     params=params, reduce=reduce)
+    delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
+    rho = RATIO_LEVELS[ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
     with torch.no_grad():
-        lengths = rs.lengths  # (N,) |y_i|
+        ratio = rho.detach()
+        mf = mask_float(loss_mask, delta.dtype)  # (N, T)
+        lengths = mf.sum(dim=1)  # (N,) |y_i|
         rows = agg_row_weights(mf, loss_agg, lengths=lengths)  # (N,) local: w = m c
         w = mf * rows.unsqueeze(1)  # (N, T) local weights (diagnostics, corrections)
-        rows_loss = rows if global_denoms is None else agg_row_weights(
-            mf, loss_agg, global_denoms, lengths=lengths)
-        w_loss = w if global_denoms is None else mf * rows_loss.unsqueeze(1)  # (N, T)
+        w_loss = w if global_denoms is None else mf * agg_row_weights(
+            mf, loss_agg, global_denoms, lengths=lengths).unsqueeze(1)  # (N, T)
         adv = torch.where(loss_mask, advantages, 0.0).to(ratio.dtype)  # (N, T)
         parts = surrogate_parts(ratio, adv, clip_low, clip_high, dual_clip)
         clipped = parts.clipped  # (N, T) bool; False off agent tokens since A = 0 there
@@ -128,106 +128,36 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
 
     lam, extra = None, {}
     if spec is not None:
-        ctx = ClipContext(ratio if rs.live is None else rs.live, adv, clipped, loss_mask,
-                          loss_agg, w_corr, bias_sq, bias_norm, params, reduce)
+        ctx = ClipContext(
+            bias_norm, bias_sq.sum(dim=1), lengths,
+            rms_sums=lambda: clip_rms_sums(ratio, adv, clipped, loss_mask),
+            bias_term=lambda: clip_bias_term(rho, adv, clipped, loss_mask, loss_agg, weights=w_corr),
+            params=params, reduce=reduce)
         lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
-    loss = _assemble(rs, parts, rows_loss, w_loss, lam)
-    metrics = _metrics(loss, ratio, rs.delta, parts, mf, lengths, w, bias_norm, lam, rs.turn)
+    loss = _assemble(rho, parts, w_loss, lam)
+    with torch.no_grad():
+        n_tok = lengths.sum().clamp(min=1)
+        s = parts.coef * ratio + parts.const  # (N, T) surrogate, 0 off agent tokens
+        ratio_m = ratio * mf  # (N, T) ρ > 0 and finite: its max is the max over agent tokens
+        metrics = clip_metrics(
+            loss, loss_norm=weighted_sum(s * s, w).sqrt(),
+            clipfrac_high=torch.count_nonzero(parts.clipped_high) / n_tok,
+            clipfrac_low=torch.count_nonzero(parts.clipped_low) / n_tok,
+            ppo_kl=-delta.detach().sum() / n_tok, ratio_mean=ratio_m.sum() / n_tok,
+            ratio_max=ratio_m.max() if ratio_m.numel() else torch.zeros_like(n_tok),
+            bias_norm=bias_norm, lam=lam, lengths=lengths)
     metrics.update(extra)
     return loss, metrics
 
 
-def _assemble(rs: "_Ratios", parts, rows_loss, w_loss, lam) -> torch.Tensor:
-    """loss = agg(λ s) with s = a ρ + b: Σ (λ w a) ρ + Σ λ w b — one dot product in ρ, or at
-    turn level Σ_k ρ^k C^k with C^k = Σ_{t∈k} λ_i c_i a_t (`TurnDot`; w = m c per row)."""
+def _assemble(rho: torch.Tensor, parts, w_loss: torch.Tensor, lam) -> torch.Tensor:
+    """loss = agg(λ s) with s = a ρ + b: Σ (λ w a) ρ + Σ λ w b — one dot product in ρ."""
     seq_lam = lam is not None and lam.dim() > 0  # λ_i per trajectory, else a scalar or None
     with torch.no_grad():
         w_l = w_loss * lam.unsqueeze(1) if seq_lam else w_loss  # (N, T)
         const = weighted_sum(parts.const, w_l)
-        if lam is not None and not seq_lam:
-            const = const * lam
-    if rs.turn is not None:
-        segs, rho_seg, _ = rs.turn
-        row_l = rows_loss if lam is None else rows_loss * lam  # (N,) λ folds in per row
-        return TurnDot.apply(rs.graph, rho_seg, parts.coef, segs, row_l.unsqueeze(1)) + const
-    with torch.no_grad():
         grad_coef = parts.coef * w_l  # (N, T)
-    loss = weighted_sum(rs.graph, grad_coef)
+    loss = weighted_sum(rho, grad_coef)
     if lam is not None and not seq_lam:
-        return loss * lam + const
+        return (loss + const) * lam
     return loss + const
-
-
-class _Ratios(NamedTuple):
-    ratio: torch.Tensor  # (N, T) ρ, detached; 1 off agent tokens
-    delta: Optional[torch.Tensor]  # (N, T) δ with graph; None at turn level (not formed)
-    mask_float: torch.Tensor  # (N, T) 0/1 in ρ's dtype
-    lengths: torch.Tensor  # (N,) agent tokens per trajectory, in ρ's dtype
-    graph: torch.Tensor  # (N, T) what the loss differentiates: ρ, or clamp(lp − old) (turn)
-    live: Optional[torch.Tensor]  # (N, T) ρ with graph, when needed (grad estimator)
-    turn: Optional[tuple]  # (TurnSegments, ρ^k (N, K), Σ_{t∈k} δ_t (N, K)) at turn level
-
-
-def _ratio_stage(log_probs, old_log_probs, loss_mask, turn_ids, ratio_level, live) -> _Ratios:
-    """ρ at `ratio_level`. Turn level: the segment sums discard segment 0 and the loss
-    Σ_k ρ^k C^k (`TurnDot`) has a backward that is 0 off agent tokens, so the clamped log-ratio
-    is never masked (δ (N, T) is not formed); ρ (N, T) is a detached gather of ρ^k."""
-    if ratio_level != "turn":
-        delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
-        with torch.no_grad():
-            mf = mask_float(loss_mask, delta.dtype)  # (N, T)
-            lengths = mf.sum(dim=1)  # (N,)
-        rho = RATIO_LEVELS[ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
-        return _Ratios(rho.detach(), delta, mf, lengths, rho, rho, None)
-    diff = clamped_log_ratio(log_probs, old_log_probs)  # (N, T) with graph, garbage off mask
-    with torch.no_grad():
-        mf = mask_float(loss_mask, diff.dtype)  # (N, T)
-        segs = TurnSegments.build(loss_mask, turn_ids, mf)
-        rho_seg, delta_seg = segs.ratio(diff)  # (N, K) each; segment 0 (garbage) discarded
-        ratio = segs.gather(rho_seg)  # (N, T)
-        lengths = segs.count.sum(dim=1)  # (N,) from the (N, K) counts, no (N, T) pass
-    rho = TurnRatio.apply(torch.where(loss_mask, diff, 0.0), segs) if live else None
-    return _Ratios(ratio, None, mf, lengths, diff, rho, (segs, rho_seg, delta_seg))
-
-
-def _metrics(loss, ratio, delta, parts, mf, lengths, w, bias_norm, lam, turn) -> dict:
-    with torch.no_grad():
-        n_tok = lengths.sum().clamp(min=1)
-        one = torch.ones((), device=ratio.device, dtype=ratio.dtype)
-        ratio = ratio.detach()
-        s = parts.coef * ratio + parts.const  # (N, T) surrogate, 0 off agent tokens
-        hi = torch.count_nonzero(parts.clipped_high) / n_tok
-        lo = torch.count_nonzero(parts.clipped_low) / n_tok
-        if lam is None:
-            scale, triggered = one, torch.zeros_like(one)
-        elif lam.dim() == 0:
-            scale, triggered = lam, (lam < 1.0).to(one.dtype)
-        else:  # per trajectory: over trajectories with agent tokens
-            has_tok = lengths > 0  # (N,)
-            scale = torch.where(has_tok, lam, 0.0).sum() / has_tok.sum().clamp(min=1)
-            triggered = (has_tok & (lam < 1.0)).any().to(one.dtype)
-        if turn is not None:  # ρ and δ are constant / summed per segment: (N, K) work only
-            segs, rho_seg, delta_seg = turn
-            kl = -delta_seg.sum() / n_tok
-            ratio_mean = weighted_sum(rho_seg, segs.count) / n_tok  # Σ_k ρ^k |y^k| / n
-            rho_agent = torch.where(segs.count > 0, rho_seg, 0.0)  # (N, K)
-            ratio_max = rho_agent.max() if rho_agent.numel() else torch.zeros_like(one)
-        else:
-            ratio_m = ratio * mf  # (N, T) ρ > 0 and finite: its max is the max over agent tokens
-            kl = -delta.detach().sum() / n_tok
-            ratio_mean = ratio_m.sum() / n_tok
-            ratio_max = ratio_m.max() if ratio_m.numel() else torch.zeros_like(one)
-        return {
-            PG_LOSS: loss.detach(),
-            PG_LOSS_NORM: weighted_sum(s * s, w).sqrt(),
-            PG_CLIPFRAC: hi + lo,
-            PG_CLIPFRAC_HIGH: hi,
-            PG_CLIPFRAC_LOW: lo,
-            PPO_KL: kl,
-            RATIO_MEAN: ratio_mean,
-            RATIO_MAX: ratio_max,
-            CLIP_BIAS_NORM: bias_norm,
-            CLIP_BIAS_NORM_MAX: bias_norm.clone(),
-            CLIP_BIAS_SCALE: scale.detach().to(one.dtype),
-            CLIP_BIAS_TRIGGERED: triggered,
-        }

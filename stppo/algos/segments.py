@@ -1,4 +1,4 @@
-"""Turn segments: the (row, turn) groups of agent tokens, and the autograd nodes of the turn ratio.
+"""Turn segments: the (row, turn) groups of agent tokens, and the autograd node of the turn ratio.
 
 A turn k of trajectory i is the set of its agent tokens with turn id k (DESIGN.md §1; a turn may
 be split by observations). With δ the masked, clamped log-ratio (`stppo.algos.ratios.log_ratio`):
@@ -10,7 +10,9 @@ No stop-gradient: for a loss L = Σ_t c_t ρ_t with constant c (the surrogate is
     ∂L/∂δ_t = ρ^k C^k / |y^k|   for t in turn k,   C^k = Σ_{t'∈k} c_t'
 
 — the gradient of ST-PPO (arXiv 2511.20718 v1) Lemma 4.1, w^k Â^k / |y^k| times the aggregation
-weight, when c_t = −w_t A_t on unclipped tokens and 0 on clipped ones.
+weight, when c_t = −w_t A_t on unclipped tokens and 0 on clipped ones. `TurnRatio` serves
+`turn_ratio` (any loss of ρ); the clipped policy loss at turn level uses the per-turn statistics
+of `stppo.algos.turn_clip`, which split these segments by the sign of the advantage.
 
 Every reduction is one `scatter_add_` over a per-token slot index built once per call and shared
 by forward and backward; every broadcast is one `gather`. No loop over samples, turns or time.
@@ -117,31 +119,6 @@ class TurnRatio(torch.autograd.Function):
         (rho_inv,) = ctx.saved_tensors
         g_seg = ctx.segs.scatter(grad.to(rho_inv.dtype).contiguous()) * rho_inv  # (N, K)
         return ctx.segs.gather(g_seg), None
-
-
-class TurnDot(torch.autograd.Function):
-    """`TurnDot.apply(diff, rho_seg, coef, segs, scale)` → Σ_t s_i c_t ρ_t = Σ_{i,k} s_i ρ^k C^k
-    (0-d), differentiable in `diff` (N, T) only — the clamped log-ratio whose segment means
-    gave `rho_seg` (N, K) = `segs.ratio(diff)[0]`; `coef` c (N, T) constant, finite, 0 off agent
-    tokens; `scale` s (N, 1) constant per row.
-
-    The segment sums C^k of c are taken in the forward, so the backward is one gather of the
-    closed form of Lemma 4.1, s_i ρ^k C^k / |y^k| — no (N, T) product, no backward scatter — and
-    it is 0 off agent tokens (segment 0), so `diff` may hold anything there.
-    """
-
-    @staticmethod
-    def forward(ctx, diff: torch.Tensor, rho_seg: torch.Tensor, coef: torch.Tensor,
-                segs: TurnSegments, scale: torch.Tensor) -> torch.Tensor:
-        term = rho_seg * segs.scatter(coef.to(rho_seg.dtype)) * scale  # (N, K) s ρ^k C^k
-        ctx.segs = segs
-        ctx.save_for_backward(term * segs.inv_count.to(term.dtype))
-        return term.sum().to(diff.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (g_seg,) = ctx.saved_tensors  # (N, K) s ρ^k C^k / |y^k|
-        return ctx.segs.gather(g_seg * grad), None, None, None, None
 
 
 def turn_ids_from_mask(loss_mask: torch.Tensor) -> torch.Tensor:
