@@ -108,6 +108,14 @@ def test_saturated_log_ratios_and_zero_advantages_at_turn_level_match_the_loop_r
     assert m[K.PG_CLIPFRAC].item() == pytest.approx((hi | lo).sum().item() / mask.sum().item())
 
 
+@pytest.mark.parametrize("level", ("token", "turn"))
+def test_a_nan_advantage_on_an_agent_token_gives_a_nan_loss_at_every_level(level):
+    x = make_inputs(3, 10, seed=12)
+    x["advantages"][x["loss_mask"].nonzero()[0].tolist()] = math.nan  # a user bug: not hidden
+    loss, _ = run(x, ratio_level=level)
+    assert loss.isnan()
+
+
 def test_agg_row_weights_times_mask_are_agg_weights():
     x = make_inputs(5, 12, seed=6, empty_row=True)
     mask = x["loss_mask"]

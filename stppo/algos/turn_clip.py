@@ -166,7 +166,10 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         cl = _clip(st.rho, clip_low, clip_high, dual_clip)
         s_pos, s_neg = st.s[..., POS], st.s[..., NEG]  # (N, K)
         q_pos, q_neg = st.q[..., POS], st.q[..., NEG]
-        coef = -(torch.where(cl.high, 0.0, s_pos) + torch.where(cl.fixed_neg, 0.0, s_neg))
+        # Σ A over the A = 0 part is 0, or nan where an advantage is nan (sign(nan) = 0): kept in
+        # C^k so that a nan advantage makes the loss nan, as token by token
+        coef = -(torch.where(cl.high, 0.0, s_pos) + torch.where(cl.fixed_neg, 0.0, s_neg)
+                 + st.s[..., ZERO])
         const = -(torch.where(cl.high, s_pos * cl.r_pos, 0.0)
                   + torch.where(cl.fixed_neg, s_neg * cl.r_neg, 0.0))  # (N, K) B^k
         rho_sq = st.rho.square()
