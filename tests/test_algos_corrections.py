@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from stppo import tracking as K
 from stppo.algos import (Correction, agg_loss, clip_bias_grad_norm, clip_bias_term,
-                         clipped_surrogate, importance_ratio, policy_loss, resolve_correction)
+                         clipped_surrogate, importance_ratio, policy_loss, resolve_correction,
+                         sequence_clip_bias_norm)
 
 CLIP = dict(clip_low=0.2, clip_high=0.2)
 
@@ -48,6 +49,9 @@ def test_clip_bias_norm_batch_scale_hand_computed():
 def test_clip_bias_norm_sequence_scale_hand_computed():
     x = hand_batch()
     norm0 = math.sqrt((1.5**2 + 0.5**2) / 4)  # row 0's own norm; row 1 is unclipped
+    bias_sq = torch.tensor([[2.25, 0.0, 0.0, 0.25], [0.0] * 4], dtype=torch.float64)  # κ(ρA)²
+    assert torch.allclose(sequence_clip_bias_norm(bias_sq, x["loss_mask"]),
+                          torch.tensor([norm0, 0.0], dtype=torch.float64))
     tau = norm0 / 4
     lp = x["log_probs"].clone().requires_grad_(True)
     loss, m = run(x, {"kind": "clip_bias_norm", "tau": tau, "granularity": "sequence"}, lp=lp,
@@ -73,6 +77,31 @@ def test_clip_triggered_hand_computed():
     assert loss.item() == pytest.approx(base.item() / r)
     loss, m = run(x, {"kind": "clip_triggered", "tau": 1.2})  # r ≤ τ: λ = 1
     assert m[K.CLIP_BIAS_SCALE].item() == 1.0 and loss.item() == pytest.approx(base.item())
+
+
+def test_corrections_at_turn_level_hand_computed():
+    """Turn level (the per-turn statistics of stppo.algos.turn_clip) on the hand batch: row 0's turns
+    have ρ = sqrt(1.5) (A = 1, 1: both clipped high) and sqrt(0.5) (A = −1, −1: both clipped low),
+    row 1's one turn ρ = 0.99^(1/4) (nothing clipped)."""
+    x = hand_batch()
+
+    def turn(correction, agg="token-mean"):
+        return policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
+                           x["turn_ids"], ratio_level="turn", loss_agg=agg, correction=correction, **CLIP)
+
+    base, m0 = turn(None)
+    assert m0[K.PG_CLIPFRAC_HIGH].item() == pytest.approx(2 / 8)
+    assert m0[K.PG_CLIPFRAC_LOW].item() == pytest.approx(2 / 8)
+    assert m0[K.CLIP_BIAS_NORM].item() == pytest.approx(math.sqrt((1.5 * 2 + 0.5 * 2) / 8))
+    s_row0 = 2 * 1.2**2 + 2 * 0.8**2  # clipped: s² = A² β²
+    s_row1 = 0.99**0.5 * (1 + 1 + 4 + 0.25)  # unclipped: s² = A² ρ²
+    assert m0[K.PG_LOSS_NORM].item() == pytest.approx(math.sqrt((s_row0 + s_row1) / 8))
+    _, m = turn({"kind": "clip_bias_norm", "tau": 0.25, "granularity": "sequence"}, "seq-mean-token-mean")
+    assert m[K.CLIP_BIAS_SCALE].item() == pytest.approx((0.25 + 1.0) / 2)  # row 0's own norm is 1
+    r = 1.0 / (math.sqrt(s_row1 / 4) + 1e-8)  # RMS(ρA | κ) = 1; the unclipped are row 1's four
+    loss, m = turn({"kind": "clip_triggered", "tau": 0.5})
+    assert m[K.CLIP_BIAS_SCALE].item() == pytest.approx(1 / r)
+    assert loss.item() == pytest.approx(base.item() / r)
 
 
 @pytest.mark.parametrize("corr", [
