@@ -15,8 +15,8 @@ collapse counts and Welch's t-test of final success; the p-values of each family
 test) are adjusted with Holm's step-down method (Holm 1979), which controls the family-wise error
 rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
 Pooled contrasts (`contrast_table`, contrasts.csv): pre-specified groups of presets (critic vs
-critic-free, token vs turn ratio, uncorrected vs corrected), the same two tests per level, Holm
-over the whole table.
+critic-free, token vs turn ratio, uncorrected vs corrected), the same two tests per level (the
+row `_two_group_tests` builds for a pair too), Holm over the whole table.
 
 The critic warm-start comparison (`critic_table`): per (level, GAE preset), runs with
 `trainer.critic_warmstart` (experiments `critic_ws_<level>`) against the same cells of the grid:
@@ -137,6 +137,17 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
+    """Two groups of runs: collapse counts and Fisher's exact test, mean final success and Welch's
+    t-test (the row of `pairwise_table` and of `contrast_table`, before Holm)."""
+    ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
+    w = welch_test(a["final_success"], b["final_success"])
+    return {"collapsed_a": f"{ka}/{len(a)}", "collapsed_b": f"{kb}/{len(b)}",
+            "fisher_p": float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]),
+            "success_a": _finite_mean(a["final_success"]), "success_b": _finite_mean(b["final_success"]),
+            "welch_t": w["t"], "welch_p": w["p"]}
+
+
 def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Every pair of presets within each level: Fisher's exact test on the collapse counts and
     Welch's t-test on final success, with Holm-adjusted p-values per (level, test) family."""
@@ -144,15 +155,7 @@ def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
     for level, grp in runs.groupby("experiment", sort=True):
         by = {a: g for a, g in grp.groupby("algo", sort=True)}
         for a, b in combinations(sorted(by), 2):
-            ka, na = int(by[a]["collapsed"].sum()), len(by[a])
-            kb, nb = int(by[b]["collapsed"].sum()), len(by[b])
-            fisher_p = float(sps.fisher_exact([[ka, na - ka], [kb, nb - kb]])[1])
-            w = welch_test(by[a]["final_success"], by[b]["final_success"])
-            rows.append({"level": level, "a": a, "b": b, "collapsed_a": f"{ka}/{na}",
-                         "collapsed_b": f"{kb}/{nb}", "fisher_p": fisher_p,
-                         "success_a": float(np.nanmean(by[a]["final_success"])),
-                         "success_b": float(np.nanmean(by[b]["final_success"])),
-                         "welch_t": w["t"], "welch_p": w["p"]})
+            rows.append({"level": level, "a": a, "b": b, **_two_group_tests(by[a], by[b])})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -184,13 +187,7 @@ def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str],
             a, b = lv[lv["algo"].isin(ga)], lv[lv["algo"].isin(gb)]
             if a.empty or b.empty:
                 continue
-            ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
-            w = welch_test(a["final_success"], b["final_success"])
-            rows.append({"level": level, "contrast": name, "collapsed_a": f"{ka}/{len(a)}",
-                         "collapsed_b": f"{kb}/{len(b)}",
-                         "fisher_p": float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]),
-                         "success_a": _finite_mean(a["final_success"]), "success_b": _finite_mean(b["final_success"]),
-                         "welch_p": w["p"]})
+            rows.append({"level": level, "contrast": name, **_two_group_tests(a, b)})
     out = pd.DataFrame(rows)
     if len(out):
         out["fisher_p_holm"] = holm(out["fisher_p"].to_numpy())
