@@ -40,6 +40,16 @@ def _segment_sum(x: torch.Tensor, slot: torch.Tensor, k: int) -> torch.Tensor:
     return acc.view(x.shape[0], k, INTERLEAVE).sum(2)
 
 
+def segment_ids(loss_mask: torch.Tensor, turn_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(turn id on agent tokens and −1 elsewhere (N, T), K = max turn id + 2 segments per row);
+    ValueError when an agent token has a turn id below −1. One host sync (the ids' range)."""
+    ids = torch.where(loss_mask, turn_ids, -1)  # (N, T)
+    lo, hi = ids.aminmax() if ids.numel() else (ids.new_zeros(()), ids.new_full((), -1))
+    if int(lo) < -1:
+        raise ValueError(f"turn_ids must be >= 0 on agent tokens (loss_mask), got {int(lo)}")
+    return ids, int(hi) + 2
+
+
 class TurnSegments(NamedTuple):
     """The turn segments of a batch, addressed per row: segment k = turn + 1 holds the row's
     agent tokens of that turn, segment 0 every other token of the row (weight 0, ratio 1), for
@@ -69,11 +79,7 @@ class TurnSegments(NamedTuple):
         per call at N=64, T=2048, against ≈0.03 ms for the reduction.
         """
         n, t = loss_mask.shape
-        ids = torch.where(loss_mask, turn_ids, -1)  # (N, T) turn id, -1 off agent tokens
-        lo, hi = ids.aminmax() if ids.numel() else (ids.new_zeros(()), ids.new_full((), -1))
-        if int(lo) < -1:
-            raise ValueError(f"turn_ids must be >= 0 on agent tokens (loss_mask), got {int(lo)}")
-        k = int(hi) + 2
+        ids, k = segment_ids(loss_mask, turn_ids)
         ramp = _slot_ramp(t, ids.device)  # (T,)
         out = ids if ids.dtype == torch.int64 else None  # in place: one (N, T) buffer fewer
         slot = torch.add(ramp, ids, alpha=INTERLEAVE, out=out)  # (N, T) B·(turn + 1) + t mod B

@@ -34,7 +34,7 @@ from stppo.algos.aggregation import GlobalDenoms, agg_row_weights, mask_float
 from stppo.algos.clip_bias import CORRECTIONS, ClipContext, Correction, Reduce
 from stppo.algos.clip_metrics import clip_metrics
 from stppo.algos.ratios import LOG_RATIO_CLAMP
-from stppo.algos.segments import INTERLEAVE as B, _segment_sum
+from stppo.algos.segments import INTERLEAVE as B, _segment_sum, segment_ids
 
 HALF = (torch.float16, torch.bfloat16)  # log-ratios of these are taken in float32
 NEG, ZERO, POS = 0, 1, 2  # part of a segment: the sign of A (+1 shifts sign() to an index)
@@ -71,11 +71,7 @@ class TurnStats(NamedTuple):
         One host sync: the range of the turn ids sizes the accumulators (see
         `stppo.algos.segments.TurnSegments.build`)."""
         n_rows, t = loss_mask.shape
-        ids = torch.where(loss_mask, turn_ids, -1)  # (N, T)
-        lo, hi = ids.aminmax() if ids.numel() else (ids.new_zeros(()), ids.new_full((), -1))
-        if int(lo) < -1:
-            raise ValueError(f"turn_ids must be >= 0 on agent tokens (loss_mask), got {int(lo)}")
-        k = int(hi) + 2
+        ids, k = segment_ids(loss_mask, turn_ids)  # (N, T), K
         out = ids if ids.dtype == torch.int64 else None  # in place: one (N, T) buffer fewer
         slot = torch.add(_part_ramp(t, ids.device), ids, alpha=B * PARTS, out=out)  # (N, T)
         slot.add_(adv.sign().to(torch.int64), alpha=B)  # B·(3(id + 1) + sign + 1) + t mod B
