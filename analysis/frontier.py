@@ -132,8 +132,8 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
                      "final_success_low": s_low, "final_success_high": s_high,
                      "peak_grad_norm": _finite_mean(grp["peak_grad_norm"]),
                      "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high,
-                     "mean_clipfrac": _finite_mean(grp["mean_clipfrac"]) if "mean_clipfrac" in grp else np.nan,
-                     "mean_ppo_kl": _finite_mean(grp["mean_ppo_kl"]) if "mean_ppo_kl" in grp else np.nan})
+                     "mean_clipfrac": _finite_mean(grp["mean_clipfrac"]),
+                     "mean_ppo_kl": _finite_mean(grp["mean_ppo_kl"])})
     return pd.DataFrame(rows)
 
 
