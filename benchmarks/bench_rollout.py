@@ -11,7 +11,9 @@ questions, 24 new tokens per turn, temperature 1, one CPU thread. Prints, each o
 and the raw throughputs, wall-clock figures and page faults per call on other lines. The rollout
 pays for what a single `generate` call does not: one prefill per turn of the observation tokens
 over the grown context, attention over contexts ~4x longer, stop checks, decoding, the env
-(parsing, retrieval).
+(parsing, retrieval). Two lines count that work, per side (exact counts, not timings):
+    model_tokens_per_agent_token: tokens fed through the model per sampled token
+    keys_per_decoding_step: mean number of real keys one decoding step attends to
 
 Timing: R rounds after a warm-up, each calling the rollout and `generate` once in a fresh random
 order; throughputs from the median process CPU time over the rounds (torch runs on one thread, so
@@ -70,6 +72,29 @@ def generate_inputs(tok, env, questions) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attn
 
 
+def rollout_work(batch) -> tuple[float, float]:
+    """(tokens fed through the model per agent token, mean keys per decoding step) of a rollout
+    batch. Every token but each trajectory's last is fed once (the last sampled one never is); a
+    decoding step feeds the previous agent token of the same turn (the turn's first token comes
+    from the prefill) and attends to every real position up to it: t keys for the token at t."""
+    agent = batch.loss_mask
+    fed = int(batch.attention_mask.sum()) - agent.shape[0]
+    decoded = agent[:, 1:] & (batch.turn_ids[:, 1:] == batch.turn_ids[:, :-1])  # (N, T-1)
+    positions = torch.arange(1, agent.shape[1]).expand_as(decoded)  # (N, T-1) index t
+    keys = float(positions[decoded].float().mean())
+    return fed / int(agent.sum()), keys
+
+
+def generate_work(attn: torch.Tensor, per_row: int) -> tuple[float, float]:
+    """The same two counts for one `generate` call of `per_row` new tokens per prompt."""
+    prompt = attn.sum(1).float()  # (N,) real prompt tokens
+    n = attn.shape[0]
+    fed = float(prompt.sum()) + n * (per_row - 1)
+    steps = torch.arange(1, per_row, dtype=torch.float32)  # the i-th decoding step: prompt + i keys
+    keys = float((prompt[:, None] + steps[None, :]).mean()) if per_row > 1 else 0.0
+    return fed / (n * per_row), keys
+
+
 def update_standin(model, batch) -> None:
     """One forward/backward of the policy over a rollout batch: what a trainer runs between
     rollouts (it frees activation blocks far larger than any the rollout allocates)."""
@@ -120,6 +145,7 @@ def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
     for name in fns:
         out[name]["tokens"] = statistics.median(tokens[name])
     out["per_row"] = per_row
+    out["work"] = {"rollout": rollout_work(warm), "generate": generate_work(attn, per_row)}
     return out
 
 
@@ -144,6 +170,9 @@ def main() -> None:
     wall = (roll["tokens"] / roll["wall"]) / (gen["tokens"] / gen["wall"])
     print(f"rollout_over_generate_wall: {wall:.2f}")
     print(f"faults_per_call: rollout {roll['faults']:.0f}, generate {gen['faults']:.0f}")
+    (r_fed, r_keys), (g_fed, g_keys) = m["work"]["rollout"], m["work"]["generate"]
+    print(f"model_tokens_per_agent_token: rollout {r_fed:.2f}, generate {g_fed:.2f}")
+    print(f"keys_per_decoding_step: rollout {r_keys:.0f}, generate {g_keys:.0f}")
 
 
 if __name__ == "__main__":
