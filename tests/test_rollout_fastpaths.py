@@ -15,7 +15,7 @@ from stppo.models import MODEL_PRESETS, build_random_model, policy_log_probs, tr
 from stppo.rollout import RolloutConfig, StopChecker, rollout
 from stppo.rollout import engine as engine_module
 from stppo.rollout.episodes import encode_text, encode_texts
-from stppo.rollout.kvcache import GrowingLayer, stack_row_caches
+from stppo.rollout.kvcache import GrowingLayer, cache_kwarg, stack_row_caches
 
 TEXTS = ["Question: where was Alice born?\n<search> Alice born</search>\n<information> Alice was "
          "born in Lyon.</information>\n<answer> Lyon</answer>",
@@ -77,7 +77,7 @@ def test_handed_over_masks_are_the_ones_transformers_builds(model, lengths, chun
     two_d = mask[:, :c0 + width].long()
     pos = (two_d.cumsum(-1) - 1).clamp(min=0)[:, -width:]
     theirs = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=two_d,
-                                past_key_values=past, position_ids=pos)
+                                position_ids=pos, **{cache_kwarg(create_causal_mask): past})
     ours = engine_module._prefill_mask(mask, c0, width, True)
     assert (theirs is None) == (ours is None)
     if theirs is not None:
@@ -107,7 +107,8 @@ def test_a_groups_prompt_is_prefilled_once_and_samples_the_same(tok, model, monk
     real = model.forward
 
     def spy(*args, **kwargs):
-        if kwargs["input_ids"].shape[1] > 1 and kwargs["past_key_values"].get_seq_length() == 0:
+        cache = kwargs[cache_kwarg(type(model).forward)]
+        if kwargs["input_ids"].shape[1] > 1 and cache.get_seq_length() == 0:
             widths.append(kwargs["input_ids"].shape[0])
         return real(*args, **kwargs)
 

@@ -1,5 +1,7 @@
 """stppo.rollout.kvcache: the growing cache layer and carrying keys/values across turns."""
 
+import warnings
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -49,10 +51,11 @@ def test_growing_cache_gives_the_same_logits_as_the_default_cache(tok):
     outs = []
     with torch.no_grad():
         for cache in (DynamicCache(config=model.config), GrowingCache(model.config.num_hidden_layers)):
-            logits = [model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True).logits]
+            key = kvcache.cache_kwarg(type(model).forward)
+            logits = [model(input_ids=ids[:, :20], use_cache=True, **{key: cache}).logits]
             for t in range(20, 30):
-                logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache,
-                                    use_cache=True).logits)
+                logits.append(model(input_ids=ids[:, t:t + 1], use_cache=True,
+                                    **{key: cache}).logits)
             outs.append(torch.cat(logits, dim=1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
     assert kvcache.supports_row_caches(model)
@@ -86,3 +89,27 @@ def test_carrying_caches_across_turns_changes_nothing(tok, monkeypatch):
     assert carried.num_turns.tolist() == [4] * 10
     assert torch.equal(carried.input_ids, fresh.input_ids)
     torch.testing.assert_close(carried.rollout_log_probs, fresh.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+def test_cache_kwarg_is_the_name_the_function_takes():
+    def new(input_ids=None, cache=None, **kwargs): ...
+
+    def old(input_ids=None, past_key_values=None, **kwargs): ...
+
+    assert kvcache.cache_kwarg(new) == "cache"
+    assert kvcache.cache_kwarg(old) == "past_key_values"
+    assert kvcache.cache_kwarg(object()) == "past_key_values"  # no signature: the old name
+
+
+def test_the_rollout_passes_the_cache_under_the_name_the_installed_transformers_takes(tok):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns,
+    and is to be removed in 5.40); the engine uses whichever the installed model forward takes."""
+
+    model = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).eval()
+    questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = rollout(model, tok, EchoEnv(), questions, RolloutConfig(max_new_tokens=6),
+                        generator=torch.Generator().manual_seed(0))
+    assert batch.num_turns.tolist() == [4] * 3
+    assert not [w for w in caught if "past_key_values" in str(w.message)]

@@ -36,7 +36,8 @@ from stppo.models.logprobs import position_ids_from_mask
 from stppo.rollout.config import RolloutConfig
 from stppo.rollout.episodes import (Trajectory, encode_prompt, encode_texts, pack_batch,
                                     pad_token_id)
-from stppo.rollout.kvcache import RowCache, row_cache, stack_row_caches, supports_row_caches
+from stppo.rollout.kvcache import (RowCache, cache_kwarg, row_cache, stack_row_caches,
+                                  supports_row_caches)
 from stppo.rollout.sampling import sample_next
 from stppo.rollout.stopping import StopChecker, eos_token_ids
 
@@ -158,9 +159,10 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     # prefilled once; their keys/values and next-token logits are then copied to every copy.
     same = _shared_prompts(chunks, caches)
     rep = torch.arange(b) if same is None else torch.tensor(same[0])  # (U,) rows prefilled
+    cache_key = cache_kwarg(type(model).forward)  # the forward's name for the KV cache
     logits = model(input_ids=ids[rep].to(device), position_ids=pos[rep],
                    attention_mask=_prefill_mask(mask[rep.to(device)], c0, width, mask_4d),
-                   past_key_values=past, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
+                   use_cache=True, logits_to_keep=1, **{cache_key: past}).logits[:, -1]  # (U, V)
     if same is not None:
         src = torch.tensor(same[1], device=device)  # (B,) each row's prefilled row
         past.batch_select_indices(src)
@@ -171,7 +173,8 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     spans = [((a, e),) if e0 == a2 else ((a, e0), (a2, e)) for (a, e0), (a2, e) in spans]
     run = _Decode(b, steps, budgets, device)
     return run.loop(model, past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
-                    generator=generator, keep_cache=keep_cache, mask_4d=mask_4d)
+                    generator=generator, keep_cache=keep_cache, mask_4d=mask_4d,
+                    cache_key=cache_key)
 
 
 class _Decode:
@@ -186,7 +189,7 @@ class _Decode:
         self.steps = steps
 
     def loop(self, model, past, mask, n, logits, cfg, stop, spans, *, pad_id, generator,
-             keep_cache, mask_4d) -> list[TurnOutput]:
+             keep_cache, mask_4d, cache_key) -> list[TurnOutput]:
         device = mask.device
         rows = torch.arange(mask.shape[0], device=device)  # (B',) batch slot → row
         slot_rows = rows.tolist()
@@ -223,8 +226,8 @@ class _Decode:
             mask[:, n] = live
             n += 1
             logits = model(input_ids=tokens.unsqueeze(1), position_ids=next_pos.unsqueeze(1),
-                           attention_mask=_step_mask(mask, n, mask_4d), past_key_values=past,
-                           use_cache=True).logits[:, -1]  # (B', V)
+                           attention_mask=_step_mask(mask, n, mask_4d), use_cache=True,
+                           **{cache_key: past}).logits[:, -1]  # (B', V)
             next_pos = next_pos + live
         ids, log_probs = self.ids.tolist(), self.log_probs.tolist()
         return [TurnOutput(ids[r][:m], log_probs[r][:m], self.stopped[r], self.caches[r])

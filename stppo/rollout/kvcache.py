@@ -15,6 +15,8 @@ the whole sequence each turn (`supports_row_caches` is False for them).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Optional, Sequence
 
 import torch
@@ -84,6 +86,18 @@ class GrowingCache(DynamicCache):
     def __init__(self, num_layers: int = 0, reserve: int = 0, *,
                  layers: Optional[list[GrowingLayer]] = None):
         Cache.__init__(self, layers=layers or [GrowingLayer(reserve) for _ in range(num_layers)])
+
+
+@functools.lru_cache(maxsize=64)
+def cache_kwarg(fn) -> str:
+    """The keyword under which `fn` (a model class's `forward`, a masking function) takes the KV
+    cache: `cache` from transformers 5.24 on, which deprecates `past_key_values` (its removal is
+    announced for 5.40), else `past_key_values`."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no introspectable signature: the long-standing name
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def supports_row_caches(model) -> bool:
