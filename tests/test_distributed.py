@@ -4,10 +4,12 @@ update of the same global batch, and `torchrun --nproc_per_node=2 run.py` logs o
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,3 +98,37 @@ def test_indivisible_batch_is_one_clear_error(tmp_path):
     assert p.returncode != 0
     assert "trainer.questions_per_step=7 must be divisible by the number of data-parallel " \
            "processes (2)" in p.stderr
+
+
+@pytest.mark.parametrize("choice, cuda, count, local, expected", [
+    ("cpu", True, 2, "1", "cpu"),
+    ("auto", False, 0, "0", "cpu"),
+    ("auto", True, 2, "1", "cuda:1"),  # each torchrun process on its own GPU
+    ("cuda", True, 2, "1", "cuda:1"),  # an explicit 'cuda' too, not every rank on GPU 0
+    ("cuda", True, 1, None, "cuda:0"),
+])
+def test_device_of_puts_each_process_on_its_gpu(monkeypatch, choice, cuda, count, local, expected):
+    from stppo.train.setup import device_of
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if local is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(device=choice))
+    assert str(device_of(cfg)) == expected
+
+
+@pytest.mark.parametrize("cuda, count, local, message", [
+    (False, 0, "0", "trainer.device=cuda but torch"),
+    (True, 2, "2", "LOCAL_RANK=2 but this machine has 2 CUDA device(s)"),
+])
+def test_device_of_missing_gpu_is_one_clear_error(monkeypatch, cuda, count, local, message):
+    from stppo.train.setup import device_of
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        device_of(SimpleNamespace(trainer=SimpleNamespace(device="cuda")))

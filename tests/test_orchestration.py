@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, TINY_OVERRIDES
@@ -148,6 +149,8 @@ def test_launcher_presets_and_the_sweep_compose():
 @pytest.mark.parametrize("override, expected", [
     ("algo.clip_low=2", "algo.clip_low must be in [0, 1), got 2.0"),
     ("algo=nope", "Available options in 'algo': " + ", ".join(PRESETS)),
+    pytest.param("trainer.device=cuda", "trainer.device=cuda but torch",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_invalid_override_ends_with_one_clear_line(tmp_path, override, expected):
     res = run_py([override], tmp_path, timeout=120)

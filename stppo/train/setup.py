@@ -38,12 +38,20 @@ class Components:
 
 
 def device_of(cfg: Config) -> torch.device:
-    """trainer.device; 'auto' is CUDA when present (this process's GPU under torchrun), else CPU."""
-    if cfg.trainer.device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """trainer.device; 'auto' is CUDA when present, else CPU. A CUDA device is this process's GPU
+    (LOCAL_RANK under torchrun, else 0). ValueError (one line) when 'cuda' is asked for on a
+    machine without one, or when LOCAL_RANK names a GPU that is not there."""
+    choice = cfg.trainer.device
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    return torch.device(cfg.trainer.device)
+    if not torch.cuda.is_available():
+        raise ValueError(f"trainer.device=cuda but torch {torch.__version__} sees no CUDA device "
+                         f"(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise ValueError(f"LOCAL_RANK={local} but this machine has {count} CUDA device(s); "
+                         f"start at most {count} processes per node (torchrun --nproc_per_node)")
+    return torch.device("cuda", local)
 
 
 def build_env(cfg: Config, task: Task, tokenizer=None) -> SearchEnv:
