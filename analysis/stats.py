@@ -11,6 +11,8 @@ the mean, which lies within the observed values and so within the range; unbound
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -171,11 +173,23 @@ def _forward_fill(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 
 def welch_test(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     """Welch's t-test of mean(a) ≠ mean(b): t = (ā − b̄) / √(s_a²/n_a + s_b²/n_b), with the
-    Welch–Satterthwaite degrees of freedom."""
+    Welch–Satterthwaite degrees of freedom.
+
+    Seed-level results often tie exactly (every seed 0.0 after a collapse, or 0.5 of a small
+    validation set). Two groups without spread: t = ±inf and p = 0 when their means differ, t and
+    p NaN when they agree; df is then undefined (NaN). One constant group: scipy's answer (its
+    variance 0 up to rounding), without scipy's warning about that rounding."""
     x, y = _finite(a), _finite(b)
     if x.size < 2 or y.size < 2:
         return {"t": float("nan"), "df": float("nan"), "p": float("nan")}
-    res = sps.ttest_ind(x, y, equal_var=False)
+    if np.ptp(x) == 0 and np.ptp(y) == 0:
+        diff = float(x[0] - y[0])
+        t = float("nan") if diff == 0 else math.copysign(math.inf, diff)
+        return {"t": t, "df": float("nan"), "p": float("nan") if diff == 0 else 0.0}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Precision loss occurred in moment calculation",
+                                RuntimeWarning)
+        res = sps.ttest_ind(x, y, equal_var=False)
     return {"t": float(res.statistic), "df": float(res.df), "p": float(res.pvalue)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -114,6 +115,31 @@ def test_welch_test_equals_scipy_and_the_formula():
     va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 3
     assert res["t"] == pytest.approx((np.mean(a) - np.mean(b)) / math.sqrt(va + vb))
     assert res["df"] == pytest.approx((va + vb) ** 2 / (va**2 / 2 + vb**2 / 2))
+
+
+@pytest.mark.parametrize("a, b, t, p", [
+    ([0.5, 0.5, 0.5], [0.25, 0.25], math.inf, 0.0),  # no spread, different means
+    ([0.0, 0.0], [0.5, 0.5, 0.5], -math.inf, 0.0),
+    ([0.5, 0.5, 0.5], [0.5, 0.5], math.nan, math.nan),  # no spread, no difference
+])
+def test_welch_test_of_tied_seeds(a, b, t, p):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        res = welch_test(a, b)
+    assert res["t"] == pytest.approx(t, nan_ok=True) and res["p"] == pytest.approx(p, nan_ok=True)
+    assert math.isnan(res["df"])
+
+
+def test_welch_test_with_one_constant_group_is_scipys_without_its_warning():
+    a, b = [0.1, 0.1, 0.1], [0.2, 0.25, 0.3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = welch_test(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning welch_test keeps from its user
+        ref = sps.ttest_ind(a, b, equal_var=False)
+    assert res["t"] == pytest.approx(ref.statistic) and res["p"] == pytest.approx(ref.pvalue)
+    assert res["t"] == pytest.approx(-0.15 / math.sqrt(np.var(b, ddof=1) / 3))
 
 
 def test_bootstrap_ci_of_the_difference():
