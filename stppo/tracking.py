@@ -215,6 +215,15 @@ def resolve_uri(uri: str | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
 
 
+def absolute_uri(uri: str) -> str:
+    """A sqlite URI with its path made absolute (for commands run from another directory, and for
+    Ray's workers, which do not share the job's working directory); other URIs unchanged."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and uri != prefix + ":memory:":
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested mapping → {'a.b.c': 'value'} (the run's params)."""
     out: dict[str, str] = {}

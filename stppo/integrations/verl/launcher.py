@@ -109,18 +109,10 @@ def job_dir(cfg: Config) -> Path:
     return (Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name).resolve()
 
 
-def absolute_uri(uri: str) -> str:
-    """A sqlite URI with an absolute path (Ray's workers do not share the job's working dir)."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
 def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str | None = None) -> Plan:
     data = D.planned(cfg)
     files = JobFiles(str(data.train), str(data.val), str(data.tool_config), str(job_dir(cfg) / "checkpoints"))
-    env = {"MLFLOW_TRACKING_URI": absolute_uri(K.resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
+    env = {"MLFLOW_TRACKING_URI": K.absolute_uri(K.resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
     argv = [python or cfg.backend.python, "-m", cfg.backend.entry, *verl_overrides(cfg, files), *env_overrides(env)]
     return Plan(argv, env, data)
 
