@@ -435,5 +435,14 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "con
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR)):
+    with initialize_config_dir(config_dir=str(CONF_DIR), **_version_base()):
         return hydra_compose(config_name, overrides=list(overrides))
+
+
+def _version_base() -> dict:
+    """Hydra < 1.4 (verl's environment has 1.3) assumes 1.1's defaults, with a warning, unless
+    told `version_base`; 1.4 (stppo's pin) deprecates the argument and warns when it is given."""
+    import hydra
+
+    major, minor = (int(x) for x in hydra.__version__.split(".")[:2])
+    return {"version_base": "1.3"} if (major, minor) < (1, 4) else {}

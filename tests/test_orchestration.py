@@ -110,6 +110,16 @@ def test_every_preset_composes_with_every_experiment():
     assert paper7.model.name == "qwen2_5_7b"
 
 
+def test_compose_warns_nothing():
+    """Hydra 1.4 (stppo's pin) warns when `version_base` is passed (deprecated), Hydra 1.3
+    (verl's environment: tests/verl) when it is not; `compose` gives it only to Hydra < 1.4."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compose(["algo=ppo"]).algo.name == "ppo"
+
+
 def _hydra_cfg(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir

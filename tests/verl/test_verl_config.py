@@ -4,6 +4,8 @@ actor config (as its workers do), and the loss reads τ / granularity from it.""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import InstantiationException
@@ -23,6 +25,16 @@ def actor_from_overrides(*overrides: str):
         cfg = compose("ppo_trainer", overrides=[
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides])
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_stppo_compose_in_verls_hydra_warns_nothing():
+    """verl pins Hydra 1.3, which assumes 1.1's defaults (with a migration warning) unless given
+    `version_base`; `stppo.config.compose` gives it (the launcher and `...verl.data` compose)."""
+    from stppo.config import compose
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compose(["algo=st_ppo", "backend=verl"]).backend.name == "verl"
 
 
 def test_target_override_carries_stppo_knobs_to_the_loss():
