@@ -440,7 +440,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "con
 
 
 def _version_base() -> dict:
-    """Hydra < 1.4 (verl's environment has 1.3) assumes 1.1's defaults, with a warning, unless
+    """Hydra < 1.4 (verl's environment has 1.3.8) assumes 1.1's defaults, with a warning, unless
     told `version_base`; 1.4 (stppo's pin) deprecates the argument and warns when it is given."""
     import hydra
 

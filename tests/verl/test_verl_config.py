@@ -28,8 +28,10 @@ def actor_from_overrides(*overrides: str):
 
 
 def test_stppo_compose_in_verls_hydra_warns_nothing():
-    """verl pins Hydra 1.3, which assumes 1.1's defaults (with a migration warning) unless given
-    `version_base`; `stppo.config.compose` gives it (the launcher and `...verl.data` compose)."""
+    """verl's environment has Hydra 1.3.8 (verl asks for any hydra-core; 1.4 is a pre-release),
+    which assumes 1.1's defaults (with a migration warning) unless given `version_base`;
+    `stppo.config.compose` gives it (`python -m stppo.integrations.verl.data` run with verl's
+    interpreter and these tests compose with it)."""
     from stppo.config import compose
 
     with warnings.catch_warnings():
