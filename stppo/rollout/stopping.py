@@ -47,7 +47,9 @@ class StopChecker:
 
     def hits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B,) sampled ids → (B,) bool: the id itself ends the turn (EOS or a single-token tag)."""
-        return torch.isin(tokens, self.stop_ids.to(tokens.device))
+        if self.stop_ids.device != tokens.device:
+            self.stop_ids = self.stop_ids.to(tokens.device)  # once, not every step
+        return torch.isin(tokens, self.stop_ids)
 
     def may_end_text(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B,) sampled ids → (B,) bool: `text_hit` can newly be true after this id (its text holds
