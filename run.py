@@ -88,6 +88,7 @@ def _record_invalid_job(cfg: DictConfig, error: str) -> None:
     from omegaconf import OmegaConf
 
     from stppo import tracking as K
+    from stppo.tracker import Tracker, flatten
 
     def sel(key: str) -> str:
         return str(OmegaConf.select(cfg, key, default="") or "")
@@ -95,12 +96,12 @@ def _record_invalid_job(cfg: DictConfig, error: str) -> None:
     if OmegaConf.select(cfg, "tracking.enabled", default=True) is False:
         return
     try:
-        tracker = K.Tracker(sel("tracking.uri") or None, sel("tracking.experiment") or "stppo",
-                            buffer_dir=sel("tracking.buffer_dir") or ".stppo_buffer")
+        tracker = Tracker(sel("tracking.uri") or None, sel("tracking.experiment") or "stppo",
+                          buffer_dir=sel("tracking.buffer_dir") or ".stppo_buffer")
         tags = {K.TAG_ALGO: sel("algo.name"), K.TAG_MODEL: sel("model.name"), K.TAG_TASK: sel("task.name"),
                 K.TAG_SEED: sel("seed"), K.TAG_SWEEP: sel("tracking.sweep"),
                 **(OmegaConf.to_container(cfg.tracking.tags) if "tags" in cfg.tracking else {})}
-        tracker.start(tags=tags, params=K.flatten(OmegaConf.to_container(cfg, resolve=False)),
+        tracker.start(tags=tags, params=flatten(OmegaConf.to_container(cfg, resolve=False)),
                       run_name=sel("tracking.run_name") or None)
         tracker.finish("FAILED", error=error)
     except Exception as e:  # noqa: BLE001 - the job's failure is reported anyway

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from stppo.tracking import resolve_uri
+from stppo.tracker import resolve_uri
 
 from .load import Study, load_study
 from .store import AnalysisError

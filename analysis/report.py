@@ -19,6 +19,7 @@ import pandas as pd
 
 from stppo import tracking as T
 from stppo.alarms import AlarmConfig
+from stppo.tracker import resolve_uri
 
 from .collapse import collapse_table
 from .figures import fig_clip_kl, fig_collapse_diagnosis, fig_success_by_preset, fig_token_vs_turn
@@ -30,7 +31,7 @@ from .warning import early_warning, fig_early_warning
 
 
 def default_tracking_uri() -> str:
-    return T.resolve_uri(None)  # $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    return resolve_uri(None)  # $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
 
 
 def _save(fig, out: Path, stem: str) -> list[str]:

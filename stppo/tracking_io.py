@@ -1,4 +1,4 @@
-"""Low-level MLflow store access for `stppo.tracking.Tracker`: client creation (a fresh sqlite
+"""Low-level MLflow store access for `stppo.tracker.Tracker`: client creation (a fresh sqlite
 store is created under an inter-process lock), retries of transient errors, the on-disk metric
 buffer and its flush, and closing runs whose job process died. Torch-free; mlflow is imported
 lazily."""
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-log = logging.getLogger("stppo.tracking")
+log = logging.getLogger("stppo.tracker")  # one logger with the Tracker's
 # A remote store that does not answer must not stall training: bounded client retries/timeouts
 # (MLflow's own defaults retry for minutes). Set only when the user has not set them.
 HTTP_CLIENT_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",

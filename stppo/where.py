@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from stppo.tracking import absolute_uri, resolve_uri
+from stppo.tracker import absolute_uri, resolve_uri
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 

@@ -18,6 +18,7 @@ from stppo.models import (ValueModel, build_random_model, policy_log_probs, reso
 from stppo.models.logprobs import linear_fp32
 from stppo.models.precision import Precision
 from stppo.rollout import rollout
+from stppo.tracker import Tracker
 from stppo.train import checkpoint
 from stppo.train.job import run
 from stppo.train.loop import Trainer, rollout_config, run_dir_for
@@ -43,7 +44,7 @@ def _changed_fraction(before: list[torch.Tensor], model) -> float:
 
 def _one_update(cfg):
     comps = build_components(cfg, progress=False)
-    trainer = Trainer(cfg, comps, K.Tracker(None, "x", enabled=False), run_dir=None)
+    trainer = Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=None)
     return comps, trainer
 
 
@@ -209,7 +210,7 @@ def test_checkpoint_saves_and_resumes_float32_master_weights(tiny_cfg):
         assert state[opt]["state"] and all(s["exp_avg"].dtype == torch.float32
                                            for s in state[opt]["state"].values()), opt
     comps = build_components(cfg2, progress=False)
-    trainer = Trainer(cfg2, comps, K.Tracker(None, "x", enabled=False), run_dir=None)
+    trainer = Trainer(cfg2, comps, Tracker(None, "x", enabled=False), run_dir=None)
     trainer.load_state_dict(state)
     for model, saved in ((comps.policy, state["policy"]), (comps.critic, state["critic"])):
         for k, v in model.state_dict().items():

@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 from analysis.sweeps import trials_frame
 from conftest import ROOT, TINY_OVERRIDES
 from stppo import tracking as K
+from stppo.tracker import Tracker
 from stppo.tracking_io import process_token
 from sweeps import study as S
 from test_orchestration import run_py, warm_cache  # noqa: F401 - fixture
@@ -30,7 +31,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 def _log_run(uri: str, experiment: str, study: str, number: int, val: dict[int, float], collapsed: bool,
              buffer_dir) -> str:
     """A finished trial's MLflow run, as the trainer leaves it."""
-    tr = K.Tracker(uri, experiment, buffer_dir=buffer_dir)
+    tr = Tracker(uri, experiment, buffer_dir=buffer_dir)
     run_id = tr.start(tags={K.TAG_STUDY: study, K.TAG_TRIAL: number}, params={})
     for step, v in val.items():
         tr.log(step, {K.VAL_SUCCESS_RATE: v})

@@ -18,6 +18,7 @@ import pytest
 from conftest import free_port, wait_healthy
 from mlflow.tracking import MlflowClient
 
+from stppo import tracker as TR
 from stppo import tracking as K
 from stppo import tracking_io as io
 
@@ -106,8 +107,8 @@ def test_remote_server_round_trip(server, tiny_cfg, tmp_path):
 def test_server_killed_mid_run_and_restarted_loses_no_step(server, tiny_cfg, tmp_path, monkeypatch, caplog):
     from stppo.train.job import run
 
-    monkeypatch.setattr(K, "RETRY_AFTER_S", 0.0)  # try the store at every step (default: every 30 s)
-    real_log, seen = K.Tracker.log, {}
+    monkeypatch.setattr(TR, "RETRY_AFTER_S", 0.0)  # try the store at every step (default: every 30 s)
+    real_log, seen = TR.Tracker.log, {}
 
     def log(self, step, metrics):  # the server dies before step 2 is logged, returns before step 4
         if K.STEP_TIME in metrics and step == 2:
@@ -118,8 +119,8 @@ def test_server_killed_mid_run_and_restarted_loses_no_step(server, tiny_cfg, tmp
         real_log(self, step, metrics)
         seen[step] = (time.monotonic() - t0, self._buffer_path.exists())
 
-    monkeypatch.setattr(K.Tracker, "log", log)
-    with caplog.at_level(logging.WARNING, logger="stppo.tracking"):
+    monkeypatch.setattr(TR.Tracker, "log", log)
+    with caplog.at_level(logging.WARNING, logger="stppo.tracker"):
         run(tiny_cfg("algo=ppo", "trainer.total_steps=5", f"tracking.uri={server.uri}",
                      "tracking.experiment=outage", f"tracking.buffer_dir={tmp_path}/buffer"))
     assert seen[2][0] < 20 and seen[3][0] < 20, f"a dead server stalled training: {seen}"
@@ -140,7 +141,7 @@ def test_server_killed_mid_run_and_restarted_loses_no_step(server, tiny_cfg, tmp
 
 def test_run_ending_while_store_is_down_is_closed_later(tmp_path, monkeypatch):
     uri, buf = fresh_sqlite(tmp_path), tmp_path / "buffer"
-    tr = K.Tracker(uri, "ends-down", buffer_dir=buf)
+    tr = TR.Tracker(uri, "ends-down", buffer_dir=buf)
     run_id = tr.start(tags={K.TAG_ALGO: "ppo"}, params={"a": "1"})
     tr.log(1, {K.PG_LOSS: 0.5})
 
@@ -155,7 +156,7 @@ def test_run_ending_while_store_is_down_is_closed_later(tmp_path, monkeypatch):
     assert json.loads((buf / f"{run_id}.status.json").read_text())["status"] == "FAILED"
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "RUNNING"
-    assert K.main(["flush", "--uri", uri, "--buffer-dir", str(buf)]) == 0  # the store is back
+    assert TR.main(["flush", "--uri", uri, "--buffer-dir", str(buf)]) == 0  # the store is back
     r = client.get_run(run_id)
     assert r.info.status == "FAILED" and r.data.tags["error"] == "ValueError: boom"
     assert _history(client, run_id)[K.PG_LOSS] == [1, 2]
@@ -166,13 +167,13 @@ def test_unreachable_store_at_start_is_one_clear_error(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"tracking store {uri} is unreachable") as e:
-        K.Tracker(uri, "x", buffer_dir=tmp_path).start(tags={}, params={})
+        TR.Tracker(uri, "x", buffer_dir=tmp_path).start(tags={}, params={})
     assert "\n" not in str(e.value) and time.monotonic() - t0 < 60
 
 
 def test_failed_flush_neither_loses_nor_duplicates(tmp_path, monkeypatch):
     uri = fresh_sqlite(tmp_path)
-    tr = K.Tracker(uri, "flush", buffer_dir=tmp_path / "buffer", retry_after_s=0.0)
+    tr = TR.Tracker(uri, "flush", buffer_dir=tmp_path / "buffer", retry_after_s=0.0)
     run_id = tr.start(tags={}, params={})
     real, state, sent = tr.client.log_batch, {"down": True, "refuse_step": None}, []
 
@@ -199,7 +200,7 @@ def test_failed_flush_neither_loses_nor_duplicates(tmp_path, monkeypatch):
 
 
 def _first_use(uri: str, buffer_dir: str) -> None:
-    t = K.Tracker(uri, "exp", buffer_dir=buffer_dir)
+    t = TR.Tracker(uri, "exp", buffer_dir=buffer_dir)
     t.start(tags={}, params={"p": "1"})
     t.log(1, {K.PG_LOSS: 1.0})
     t.finish()
@@ -238,9 +239,23 @@ def test_run_orphaned_by_a_killed_process_is_marked_killed(tmp_path):
     child.wait()
     orphan = client.create_run(exp_id, tags={io.TAG_PROCESS: dead_token}).info.run_id
     alive = client.create_run(exp_id, tags={io.TAG_PROCESS: io.process_token()}).info.run_id
-    tr = K.Tracker(uri, "orphans", buffer_dir=tmp_path / "buffer")
+    tr = TR.Tracker(uri, "orphans", buffer_dir=tmp_path / "buffer")
     tr.start(tags={}, params={})
     r = client.get_run(orphan)
     assert r.info.status == "KILLED" and "ended without closing this run" in r.data.tags["error"]
     assert client.get_run(alive).info.status == "RUNNING"  # its process is this one: alive
     tr.finish()
+
+
+def test_keys_import_cheaply_and_the_cli_runs_as_documented(tmp_path):
+    """`stppo.tracking` (the keys analysis and the dashboard import) and `stppo.tracker` load
+    neither torch nor mlflow; `python -m stppo.tracker flush` (README) runs and exits 0."""
+    code = ("import sys, stppo.tracking, stppo.tracker\n"
+            "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    uri = fresh_sqlite(tmp_path)
+    cli = subprocess.run([sys.executable, "-m", "stppo.tracker", "flush", "--uri", uri,
+                          "--buffer-dir", str(tmp_path / "buffer")], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith("flushed 0 run(s)")

@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from stppo import tracking as K
 from stppo.config import to_config
+from stppo.tracker import Tracker
 from stppo.train.loop import Trainer
 from stppo.train.job import run
 from stppo.train.setup import build_components
@@ -41,7 +42,7 @@ def test_every_preset_trains_two_steps_and_changes_the_policy(tiny_cfg, algo):
     before = [p.detach().clone() for p in comps.policy.parameters()]
     critic_before = ([p.detach().clone() for p in comps.critic.parameters()]
                      if comps.critic is not None else None)
-    trainer = Trainer(cfg, comps, K.Tracker(None, "x", enabled=False), run_dir=None)
+    trainer = Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=None)
     m1 = trainer.train_step(1)
     m2 = trainer.train_step(2)
     changed = any(not torch.equal(a, b) for a, b in zip(before, comps.policy.parameters()))

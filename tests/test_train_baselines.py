@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from conftest import TINY_OVERRIDES
 from stppo import tracking as K
 from stppo.config import to_config
+from stppo.tracker import Tracker
 from stppo.train.loop import Trainer
 from stppo.train.setup import build_components
 from test_orchestration import run_py
@@ -22,7 +23,7 @@ BASELINES = ["dapo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo", "rlo
 def _two_steps(cfg):
     comps = build_components(cfg, progress=False)
     before = [p.detach().clone() for p in comps.policy.parameters()]
-    trainer = Trainer(cfg, comps, K.Tracker(None, "x", enabled=False), run_dir=None)
+    trainer = Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=None)
     ms = [trainer.train_step(1), trainer.train_step(2)]
     changed = any(not torch.equal(a, b) for a, b in zip(before, comps.policy.parameters()))
     return comps, ms, changed

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from stppo import tracking as K
 from stppo.algos import group_signal_fractions, sampler_mismatch, turn_breakdown
 from stppo.config import to_config
+from stppo.tracker import Tracker
 from stppo.train.job import run
 from stppo.train.loop import Trainer
 from stppo.train.samples import SampleRecorder, segments
@@ -119,7 +120,7 @@ def test_quick_run_logs_every_diagnostic_and_readable_samples(tiny_cfg, tmp_path
 def _trainer(tiny_cfg, run_dir, *extra):
     cfg = to_config(tiny_cfg("algo=grpo", "tracking.enabled=false", *extra))
     comps = build_components(cfg, progress=False)
-    return Trainer(cfg, comps, K.Tracker(None, "x", enabled=False), run_dir=run_dir), comps
+    return Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=run_dir), comps
 
 
 def test_rollback_restores_the_checkpoint_weights_exactly(tiny_cfg, tmp_path):

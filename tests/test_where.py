@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stppo.tracking import absolute_uri
+from stppo.tracker import absolute_uri
 
 
 def where(cwd: Path, uri: str | None) -> dict[str, str]:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from stppo import tracking as K
 from stppo.config import Config, to_config
+from stppo.tracker import Tracker, flatten
 from stppo.train import checkpoint, distributed
 from stppo.train.loop import Trainer, read_run_info, resolved_yaml, run_dir_for, write_run_info
 from stppo.train.setup import build_components, device_of
@@ -43,7 +44,7 @@ def run_params(cfg: Config) -> dict[str, str]:
     `derived.old_log_prob_pass` — `skipped` when the update is provably on-policy and takes its
     old log-probs from its own forward, else `computed` (a separate no-grad forward)."""
     skipped = old_log_probs_from_update(cfg)
-    return {**K.flatten(asdict(cfg)), "derived.old_log_prob_pass": "skipped" if skipped else "computed"}
+    return {**flatten(asdict(cfg)), "derived.old_log_prob_pass": "skipped" if skipped else "computed"}
 
 
 class Terminated(BaseException):
@@ -71,8 +72,8 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     run_dir = run_dir_for(cfg)
     state = checkpoint.load(run_dir) if cfg.trainer.resume else None
     prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None
-    tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
-                        enabled=cfg.tracking.enabled and d.is_main)
+    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
+                      enabled=cfg.tracking.enabled and d.is_main)
     run_id = tracker.start(tags={**run_tags(cfg), **_dist_tags(d)}, params=run_params(cfg),
                            run_name=cfg.tracking.run_name or run_dir.name, run_id=prev_id,
                            artifacts={"config.yaml": resolved_yaml(cfg)})
@@ -108,7 +109,7 @@ def _dist_tags(d: distributed.Dist) -> dict[str, str]:
     return {"world_size": str(d.world)} if d.active else {}
 
 
-def _last(tracker: K.Tracker, key: str) -> int:
+def _last(tracker: Tracker, key: str) -> int:
     s = tracker.last_logged_step(key)
     return -1 if s is None else s
 

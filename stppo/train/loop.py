@@ -35,6 +35,7 @@ from stppo.config import Config
 from stppo.diagnostics import CollapseDetector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
+from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
 from stppo.train.prepare import prepare_batch
@@ -107,7 +108,7 @@ def run_dir_for(cfg: Config) -> Path:
 class Trainer:
     """Holds the run's state; `train()` is the loop above."""
 
-    def __init__(self, cfg: Config, comps: Components, tracker: K.Tracker, run_dir: Path,
+    def __init__(self, cfg: Config, comps: Components, tracker: Tracker, run_dir: Path,
                  dist: Dist = Dist()) -> None:
         self.cfg, self.c, self.tracker, self.run_dir, self.dist = cfg, comps, tracker, run_dir, dist
         tr = cfg.trainer

@@ -40,6 +40,7 @@ from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
 from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
                                                model_source, verl_overrides)
+from stppo.tracker import Tracker, absolute_uri, flatten, resolve_uri
 from stppo.tracking_io import call
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ def launch(cfg: Config, check: Callable[[Config], str] | None = None) -> float:
     """Open the run, check (`preflight`, or `check` → the interpreter), convert, supervise."""
     from stppo.train.job import run_tags
 
-    tracker = K.Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
-                        enabled=True)
-    run_id = tracker.start(tags={**run_tags(cfg), K.TAG_BACKEND: "verl"}, params=K.flatten(asdict(cfg)),
+    tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
+                      enabled=True)
+    run_id = tracker.start(tags={**run_tags(cfg), K.TAG_BACKEND: "verl"}, params=flatten(asdict(cfg)),
                            run_name=cfg.tracking.run_name or job_dir(cfg).name,
                            artifacts={"config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))})
     try:
@@ -112,7 +113,7 @@ def job_dir(cfg: Config) -> Path:
 def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str | None = None) -> Plan:
     data = D.planned(cfg)
     files = JobFiles(str(data.train), str(data.val), str(data.tool_config), str(job_dir(cfg) / "checkpoints"))
-    env = {"MLFLOW_TRACKING_URI": K.absolute_uri(K.resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
+    env = {"MLFLOW_TRACKING_URI": absolute_uri(resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
     argv = [python or cfg.backend.python, "-m", cfg.backend.entry, *verl_overrides(cfg, files), *env_overrides(env)]
     return Plan(argv, env, data)
 
@@ -183,7 +184,7 @@ def check_server(url: str, timeout_s: float) -> None:
 
 
 # -- the subprocess --------------------------------------------------------------------------------
-def supervise(cfg: Config, plan: Plan, tracker: K.Tracker) -> float:
+def supervise(cfg: Config, plan: Plan, tracker: Tracker) -> float:
     """Run verl, follow the run, close it (see the module docstring); returns the objective."""
     monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=cfg.trainer.total_steps,
                          collapse=cfg.trainer.collapse, stop_on_collapse=cfg.trainer.stop_on_collapse)

@@ -20,6 +20,7 @@ from typing import Mapping
 from stppo import tracking as K
 from stppo.diagnostics import CollapseConfig, CollapseDetector
 from stppo.integrations.verl.metrics import NONFINITE_KEYS, STEP_KEY, TRAIN_COPIES, val_key
+from stppo.tracker import Tracker
 from stppo.tracking_io import call
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def late_mean(val_history: list[tuple[int, float]], step: int, total_steps: int)
 class RunMonitor:
     """Follows one MLflow run that verl writes into (see the module docstring)."""
 
-    def __init__(self, tracker: K.Tracker, *, data_source: str, total_steps: int,
+    def __init__(self, tracker: Tracker, *, data_source: str, total_steps: int,
                  collapse: CollapseConfig | None = None, stop_on_collapse: bool = False) -> None:
         self.tracker = tracker
         self.val_key = val_key(data_source)
