@@ -28,7 +28,11 @@ forward/backward) before every rollout, after which glibc keeps such blocks on i
 here in a loop of rollout, `prepare_batch` and `actor_update` (bench_vs_trl.py's workload), a
 rollout then causes 0–1 page faults. So the rounds run after a stand-in of that update (one
 forward/backward of the policy over a rollout batch); `faults_per_call` shows the state.
-Run: `OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py [--questions N] [--repeats R]`.
+On CUDA (`--device cuda`: the model on the GPU, both sides under the trainer's bf16 autocast) the
+figures are wall-clock times between device synchronisations, and the ratio is the wall one: CPU
+time there only counts the host's launches and waits.
+Run: `OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py [--questions N] [--repeats R]
+[--device cuda]`.
 """
 
 from __future__ import annotations
@@ -48,16 +52,17 @@ except ImportError:  # pragma: no cover
 import torch
 
 from stppo.envs import BM25Retriever, SearchEnv, build_synthetic_task, tokenizer_texts
-from stppo.models import MODEL_PRESETS, build_random_model, policy_log_probs, train_tokenizer
+from stppo.models import (MODEL_PRESETS, build_random_model, policy_log_probs, resolve_precision,
+                          train_tokenizer)
 from stppo.rollout import RolloutConfig, encode_prompt, rollout
 
 
-def setup(n_questions: int):
+def setup(n_questions: int, device: str = "cpu"):
     task = build_synthetic_task(n_sft=0, n_train=n_questions, n_val=0, n_test=0)
     env = SearchEnv.for_task(task, BM25Retriever(task.corpus), max_turns=4, topk=2,
                              prompt_style="compact")
     tok = train_tokenizer(tokenizer_texts(task, env), vocab_size=1500)
-    model = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).eval()
+    model = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).to(device).eval()
     return task.split("train"), env, tok, model
 
 
@@ -110,34 +115,44 @@ def _faults() -> int:
 
 def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
     """Median CPU/wall seconds and page faults per call of the rollout and of `generate`, over
-    `repeats` rounds in random order, after a warm-up and the update stand-in."""
-    warm = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(99))
+    `repeats` rounds in random order, after a warm-up and the update stand-in. On CUDA both run
+    under the trainer's autocast and each wall time lies between two device synchronisations."""
+    device = next(model.parameters()).device
+    precision = resolve_precision("auto", None, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with precision.autocast():
+        warm = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(99))
     per_row = max(1, round(int(warm.loss_mask.sum()) / len(questions)))
-    ids, attn = generate_inputs(tok, env, questions)
+    ids, attn = (t.to(device) for t in generate_inputs(tok, env, questions))
     kwargs = dict(attention_mask=attn, do_sample=True, top_k=0, min_new_tokens=per_row,
                   max_new_tokens=per_row, pad_token_id=tok.pad_token_id)
     tokens = {}
 
     def run_rollout(r: int) -> None:
-        batch = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(r))
+        gen = torch.Generator().manual_seed(r)
+        with precision.autocast():
+            batch = rollout(model, tok, env, questions, cfg, generator=gen)
         tokens.setdefault("rollout", []).append(int(batch.loss_mask.sum()))
 
     def run_generate(r: int) -> None:
         torch.manual_seed(r)
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast():
             out = model.generate(ids, **kwargs)
         assert out.shape[1] - ids.shape[1] == per_row
         tokens.setdefault("generate", []).append(per_row * len(questions))
 
     fns = {"rollout": run_rollout, "generate": run_generate}
     run_generate(99)
-    update_standin(model, warm)
+    with precision.autocast():
+        update_standin(model, warm.to(device))
     stats = {name: {"cpu": [], "wall": [], "faults": []} for name in fns}
     order = random.Random(0)
     for r in range(repeats):
         for name in order.sample(sorted(fns), len(fns)):
+            sync()
             f, c, w = _faults(), time.process_time(), time.perf_counter()
             fns[name](r)
+            sync()
             stats[name]["cpu"].append(time.process_time() - c)
             stats[name]["wall"].append(time.perf_counter() - w)
             stats[name]["faults"].append(_faults() - f)
@@ -145,7 +160,8 @@ def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
     for name in fns:
         out[name]["tokens"] = statistics.median(tokens[name])
     out["per_row"] = per_row
-    out["work"] = {"rollout": rollout_work(warm), "generate": generate_work(attn, per_row)}
+    out["clock"] = "wall" if device.type == "cuda" else "cpu"
+    out["work"] = {"rollout": rollout_work(warm), "generate": generate_work(attn.cpu(), per_row)}
     return out
 
 
@@ -153,16 +169,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("STPPO_CACHE_DIR", cache)
-        questions, env, tok, model = setup(args.questions)
+        questions, env, tok, model = setup(args.questions, args.device)
         cfg = RolloutConfig(max_new_tokens=24, max_total_tokens=1024)
         m = measure(model, tok, env, questions, cfg, args.repeats)
     roll, gen = m["rollout"], m["generate"]
-    roll_tps, gen_tps = roll["tokens"] / roll["cpu"], gen["tokens"] / gen["cpu"]
-    print(f"rollout_over_generate: {roll_tps / gen_tps:.2f}")
+    clock = m["clock"]  # process CPU time on CPU, synchronised wall time on CUDA
+    roll_tps, gen_tps = roll["tokens"] / roll[clock], gen["tokens"] / gen[clock]
+    print(f"rollout_over_generate: {roll_tps / gen_tps:.2f}  (device {args.device}, {clock} time)")
     print(f"rollout_tokens_per_s: {roll_tps:.0f} (about {roll['tokens']:.0f} agent tokens over "
           f"{len(questions)} trajectories, {env.max_turns} turns of <= {cfg.max_new_tokens})")
     print(f"generate_tokens_per_s: {gen_tps:.0f} ({m['per_row']} new tokens x "

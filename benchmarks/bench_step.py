@@ -15,7 +15,10 @@ Prints, measured in one run on CPU (one thread, process CPU time, medians):
                                 agent tokens only (what the trainer's update, old-log-prob and
                                 reference passes do)
 
-    python benchmarks/bench_step.py [--model small] [--rows 32] [--repeats 5]
+    python benchmarks/bench_step.py [--model small] [--rows 32] [--repeats 5] [--device cuda]
+
+On CUDA (`--device cuda`) every side runs on the GPU under the trainer's precision (bf16 autocast,
+float32 master weights) and times are wall-clock between device synchronisations.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from stppo.algos import token_log_probs
 from stppo.config import compose, to_config
-from stppo.models import policy_log_probs, position_ids_from_mask
+from stppo.models import policy_log_probs, position_ids_from_mask, resolve_precision
 from stppo.rollout import rollout
 from stppo.train.loop import rollout_config
 from stppo.train.prepare import prepare_batch
@@ -38,25 +41,32 @@ from stppo.train.setup import build_components
 from stppo.train.update import UpdateContext, actor_update, minibatches
 
 
-def median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int, device: str = "cpu") -> float:
     """Median process CPU time of `fn` (one torch thread: CPU time = compute time, and other jobs
-    on the machine do not leak into it as they do into wall time)."""
+    on the machine do not leak into it as they do into wall time); on CUDA the wall time between
+    two device synchronisations."""
+    cuda = torch.device(device).type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        t = time.process_time()
+        sync()
+        t = clock()
         fn()
-        times.append(time.process_time() - t)
+        sync()
+        times.append(clock() - t)
     return statistics.median(times)
 
 
-def raw_step_fn(policy, opt, batch):
+def raw_step_fn(policy, opt, batch, precision):
     """A plain causal-LM step: full logits over every position, NLL of the agent tokens."""
     def raw_step():
         mask = batch.attention_mask
-        logits = policy(input_ids=batch.input_ids, attention_mask=mask.long(),
-                        position_ids=position_ids_from_mask(mask), use_cache=False).logits
-        lp = token_log_probs(logits[:, :-1], batch.input_ids[:, 1:])  # (N, T-1)
+        with precision.autocast():
+            logits = policy(input_ids=batch.input_ids, attention_mask=mask.long(),
+                            position_ids=position_ids_from_mask(mask), use_cache=False).logits
+        lp = token_log_probs(logits[:, :-1].float(), batch.input_ids[:, 1:])  # (N, T-1)
         agent = batch.loss_mask[:, 1:]
         loss = -(lp * agent).sum() / agent.sum()
         opt.zero_grad(set_to_none=True)
@@ -69,13 +79,16 @@ def raw_step_fn(policy, opt, batch):
 def update_per_step(args) -> None:
     cfg = to_config(compose([f"model={args.model}", "algo=st_ppo", "trainer.warmstart.enabled=false",
                              "tracking.enabled=false", f"trainer.questions_per_step={args.rows}",
+                             f"trainer.device={args.device}",
                              "trainer.group_size=1",
                              f"trainer.minibatch_size={max(1, args.rows // 2)}"]))
     c = build_components(cfg, progress=False)
     qs = c.task.split("train")[: args.rows]
-    batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg),
-                    generator=torch.Generator().manual_seed(0))
-    batch, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo)
+    with c.precision.autocast():
+        batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg),
+                        generator=torch.Generator().manual_seed(0))
+    batch = batch.to(next(c.policy.parameters()).device)  # packed on the CPU, as in the trainer
+    batch, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo, precision=c.precision)
     tokens = int(batch.attention_mask.sum())
     steps = sum(1 for _ in minibatches(len(batch), cfg.trainer.minibatch_size,
                                        cfg.trainer.ppo_epochs, torch.Generator()))
@@ -85,13 +98,14 @@ def update_per_step(args) -> None:
 
     def ppo_step(exact_every: int):
         tr = replace(cfg.trainer, exact_clip_bias_every=exact_every)
-        ctx = UpdateContext(cfg.algo, tr, torch.Generator().manual_seed(0))
+        ctx = UpdateContext(cfg.algo, tr, torch.Generator().manual_seed(0), precision=c.precision)
         return lambda: actor_update(policy, opt, batch, ctx)
 
-    t_raw = median_time(raw_step_fn(policy, opt, mb), args.repeats)
-    t_ppo = median_time(ppo_step(0), args.repeats) / steps
-    t_exact = median_time(ppo_step(1), args.repeats) / steps
-    print(f"model: {args.model}  rows: {args.rows}  tokens: {tokens}  T: {batch.input_ids.shape[1]}  "
+    t_raw = median_time(raw_step_fn(policy, opt, mb, c.precision), args.repeats, args.device)
+    t_ppo = median_time(ppo_step(0), args.repeats, args.device) / steps
+    t_exact = median_time(ppo_step(1), args.repeats, args.device) / steps
+    print(f"device: {args.device} ({c.precision.describe()})  model: {args.model}  "
+          f"rows: {args.rows}  tokens: {tokens}  T: {batch.input_ids.shape[1]}  "
           f"optimizer_steps_per_update: {steps} ({cfg.trainer.ppo_epochs} epochs x "
           f"{args.rows // cfg.trainer.minibatch_size} minibatches of {cfg.trainer.minibatch_size})")
     print(f"raw_step_s: {t_raw:.4f}")
@@ -124,24 +138,31 @@ def agent_only_speedup(args) -> None:
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=128, num_hidden_layers=2,
                                          intermediate_size=512, num_attention_heads=4,
                                          num_key_value_heads=4, tie_word_embeddings=True))
-    ids, attn, agent = agent_only_batch(8, 512, vocab, agent_share=0.35)
+    model.to(args.device)
+    precision = resolve_precision("auto", None, args.device)
+    batch = agent_only_batch(8, 512, vocab, agent_share=0.35)
+    ids, attn, agent = (t.to(args.device) for t in batch)
     obs_share = 1.0 - float(agent.sum()) / float(attn.sum())
 
     def fwd_bwd(positions):
         def run():
             model.zero_grad(set_to_none=True)
-            lp, ent = policy_log_probs(model, ids, attn, return_entropy=True, positions=positions)
+            with precision.autocast():
+                lp, ent = policy_log_probs(model, ids, attn, return_entropy=True,
+                                           positions=positions)
             (lp.sum() + ent.sum()).backward()
         return run
 
     def fwd(positions):
         @torch.no_grad()
         def run():
-            policy_log_probs(model, ids, attn, positions=positions)
+            with precision.autocast():
+                policy_log_probs(model, ids, attn, positions=positions)
         return run
 
-    full, only = median_time(fwd_bwd(None), args.repeats), median_time(fwd_bwd(agent), args.repeats)
-    full_ng, only_ng = median_time(fwd(None), args.repeats), median_time(fwd(agent), args.repeats)
+    time_of = lambda fn: median_time(fn, args.repeats, args.device)  # noqa: E731
+    full, only = time_of(fwd_bwd(None)), time_of(fwd_bwd(agent))
+    full_ng, only_ng = time_of(fwd(None)), time_of(fwd(agent))
     print(f"agent_only_batch: 8 x 512, vocab {vocab}, prompt+observation share of tokens "
           f"{obs_share:.2f}")
     print(f"logprob_full_head_fwd_bwd_s: {full:.4f}  agent_only: {only:.4f}")
@@ -155,6 +176,7 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -47,10 +47,15 @@ TINY_OVERRIDES = [
 ]
 
 
+# `STPPO_TEST_DEVICE=cuda pytest tests/test_precision.py` runs the tests that compose the tiny
+# setup on a GPU machine (scripts/gpu_check.sh does); unset, they run on the config's device.
+TEST_DEVICE = os.environ.get("STPPO_TEST_DEVICE")
+
+
 def compose(overrides: list[str]):
     from stppo.config import compose as _compose
 
-    return _compose(overrides)
+    return _compose(overrides + ([f"trainer.device={TEST_DEVICE}"] if TEST_DEVICE else []))
 
 
 @pytest.fixture

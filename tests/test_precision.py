@@ -42,6 +42,10 @@ def _changed_fraction(before: list[torch.Tensor], model) -> float:
     return changed / sum(b.numel() for b in before)
 
 
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _one_update(cfg):
     comps = build_components(cfg, progress=False)
     trainer = Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=None)
@@ -94,6 +98,7 @@ def test_first_on_policy_minibatch_clips_no_token_under_bf16(tiny_cfg, capsys):
     with c.precision.autocast():
         batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg),
                         generator=torch.Generator().manual_seed(0))
+    batch = batch.to(_device(c.policy))  # the rollout packs on the CPU, as in the trainer
     batch, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo, precision=c.precision)
     mb = batch.select(torch.randperm(len(batch), generator=torch.Generator().manual_seed(1))[:8])
     c.policy.train()
@@ -168,7 +173,7 @@ def test_on_policy_update_skips_the_old_pass_with_the_same_update(tiny_cfg, tmp_
     c = build_components(cfg, progress=False)
     qs = [q for q in c.task.split("train")[:4] for _ in range(4)]
     batch = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg),
-                    generator=torch.Generator().manual_seed(0))
+                    generator=torch.Generator().manual_seed(0)).to(_device(c.policy))
     skipped, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo, skip_old=True)
     passed, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo)
     assert skipped.old_log_probs is None and passed.old_log_probs is not None
@@ -214,7 +219,7 @@ def test_checkpoint_saves_and_resumes_float32_master_weights(tiny_cfg):
     trainer.load_state_dict(state)
     for model, saved in ((comps.policy, state["policy"]), (comps.critic, state["critic"])):
         for k, v in model.state_dict().items():
-            assert v.dtype == saved[k].dtype and torch.equal(v, saved[k]), k
+            assert v.dtype == saved[k].dtype and torch.equal(v, saved[k].to(v.device)), k
     before = _trained(comps.policy)
     trainer.train_step(2)
     assert _changed_fraction(before, comps.policy) >= 0.9

@@ -85,6 +85,31 @@ def test_bm25_ranking_and_ties():
     assert r.retrieve([], 3) == []
 
 
+FAKE_JAX = {"__init__.py": "import os\nopen(os.environ['JAX_MARKER'], 'w').close()\n",
+            "lax.py": "def top_k(x, k):\n    return x[:k], list(range(k))\n"}
+
+
+def test_bm25s_never_imports_jax(tmp_path):
+    """bm25s runs a JAX op at import when JAX is installed (on a GPU machine that preallocates
+    75% of the GPU): the retriever imports bm25s with JAX hidden. An installed stand-in `jax`
+    package records whether anything imported it; a plain `import bm25s` does."""
+    (tmp_path / "jax").mkdir()
+    for name, text in FAKE_JAX.items():
+        (tmp_path / "jax" / name).write_text(text)
+    marker = tmp_path / "imported"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+           "JAX_MARKER": str(marker)}
+    code = ("from stppo.envs.base import Doc; from stppo.envs.retrievers import BM25Retriever; "
+            "r = BM25Retriever([Doc('a', 'Paris', 'Paris is in France'), "
+            "Doc('b', 'Rome', 'Rome is in Italy')], use_cache=False); "
+            "print(r.retrieve(['Where is Rome?'], 1)[0][0].id)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["b"] and not marker.exists()
+    subprocess.run([sys.executable, "-c", "import bm25s"], env=env, check=True)
+    assert marker.exists()  # the stand-in is found: the check above could fail
+
+
 def test_http_client_matches_in_process_bm25(task, server):
     local = BM25Retriever(task.corpus)
     client = build_retriever("http", url=server, timeout_s=5, retries=1)

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -36,9 +37,27 @@ _COMPLETE = "stppo_index.json"  # written last: an entry without it is incomplet
 INDEX_BUILDS = 0  # number of bm25 indexes built (not loaded) in this process
 
 
+def import_bm25s():
+    """bm25s, imported with JAX hidden. When JAX is installed, importing bm25s runs a JAX op
+    (`bm25s.selection`), which starts JAX's GPU backend and preallocates 75% of the GPU's memory:
+    measured on an H100, ~60 GiB held beside the trainer, which then ran out of memory. stppo
+    ranks with its own numpy top-k (`_top_k`), so bm25s needs no JAX; where the process imported
+    JAX before, it is left as it is."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    hide = "jax" not in sys.modules
+    if hide:
+        sys.modules["jax"] = None  # `import jax...` raises ImportError: bm25s falls back to numpy
+    try:
+        import bm25s
+    finally:
+        if hide and sys.modules.get("jax", 0) is None:
+            del sys.modules["jax"]
+    return bm25s
+
+
 def _stopwords() -> frozenset[str]:
-    from bm25s.stopwords import STOPWORDS_EN
-    return frozenset(STOPWORDS_EN)
+    return frozenset(import_bm25s().stopwords.STOPWORDS_EN)
 
 
 _STOP = _stopwords()
@@ -74,7 +93,7 @@ class BM25Retriever:
 
     def __init__(self, corpus: Sequence[Doc], *, k1: float = 1.5, b: float = 0.75,
                  use_cache: bool = True) -> None:
-        import bm25s
+        bm25s = import_bm25s()
 
         self.corpus = list(corpus)
         if not self.corpus:
