@@ -110,15 +110,16 @@ def outcome(job_value: Any, job_error: BaseException | None, tracking: Any, stud
             out.error = f"the job returned {job_value!r}, not a number"
     run = None
     if tracking is not None and tracking.enabled:
+        uri = resolve_uri(tracking.uri)
         try:
-            run = find_run(resolve_uri(tracking.uri), tracking.experiment, study_name, number)
+            run = find_run(uri, tracking.experiment, study_name, number)
         except Exception as e:  # noqa: BLE001 - no run: the job's own result decides
             out.error = out.error or f"MLflow run not readable: {first_line(e)}"
     if run is not None:
         out.run_id = run.info.run_id
-        out.intermediate = _history(resolve_uri(tracking.uri), out.run_id, K.VAL_SUCCESS_RATE)
+        out.intermediate = _history(uri, out.run_id, K.VAL_SUCCESS_RATE)
         if run.data.metrics.get(K.COLLAPSE_DETECTED, 0.0) >= 1.0:
-            step = _history(resolve_uri(tracking.uri), out.run_id, K.COLLAPSE_STEP)
+            step = _history(uri, out.run_id, K.COLLAPSE_STEP)
             out.collapse_step = int(step[-1][1]) if step else None
             out.state = TrialState.PRUNED
             return out
