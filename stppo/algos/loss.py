@@ -15,7 +15,7 @@ of ST-PPO, arXiv 2511.20718 v1, Lemma 4.1) and metrics from per-turn statistics 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -110,44 +110,72 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                                      params=params, reduce=reduce)
     delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
     rho = RATIO_LEVELS[ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
-    with torch.no_grad():
-        ratio = rho.detach()
-        mf = mask_float(loss_mask, delta.dtype)  # (N, T)
-        lengths = mf.sum(dim=1)  # (N,) |y_i|
-        rows = agg_row_weights(mf, loss_agg, lengths=lengths)  # (N,) local: w = m c
-        w = mf * rows.unsqueeze(1)  # (N, T) local weights (diagnostics, corrections)
-        w_loss = w if global_denoms is None else mf * agg_row_weights(
-            mf, loss_agg, global_denoms, lengths=lengths).unsqueeze(1)  # (N, T)
-        adv = torch.where(loss_mask, advantages, 0.0).to(ratio.dtype)  # (N, T)
-        parts = surrogate_parts(ratio, adv, clip_low, clip_high, dual_clip)
-        clipped = parts.clipped  # (N, T) bool; False off agent tokens since A = 0 there
-        bias_sq = clip_bias_sq(ratio, adv, clipped)  # (N, T)
-        w_corr = w if reduce is None else w_loss  # shares of the whole batch under `reduce`
-        bias_sq_sum = weighted_sum(bias_sq, w_corr)
-        bias_norm = (bias_sq_sum if reduce is None else reduce(bias_sq_sum)).sqrt()
-
+    t = _token_terms(rho, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
+                     loss_agg=loss_agg, dual_clip=dual_clip, global_denoms=global_denoms,
+                     reduce=reduce)
     lam, extra = None, {}
     if spec is not None:
         ctx = ClipContext(
-            bias_norm, bias_sq.sum(dim=1), lengths,
-            rms_sums=lambda: clip_rms_sums(ratio, adv, clipped, loss_mask),
-            bias_term=lambda: clip_bias_term(rho, adv, clipped, loss_mask, loss_agg, weights=w_corr),
+            t.bias_norm, t.bias_sq.sum(dim=1), t.lengths,
+            rms_sums=lambda: clip_rms_sums(t.ratio, t.adv, t.parts.clipped, loss_mask),
+            bias_term=lambda: clip_bias_term(rho, t.adv, t.parts.clipped, loss_mask, loss_agg,
+                                             weights=t.w_corr),
             params=params, reduce=reduce)
         lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
-    loss = _assemble(rho, parts, w_loss, lam)
-    with torch.no_grad():
-        n_tok = lengths.sum().clamp(min=1)
-        s = parts.coef * ratio + parts.const  # (N, T) surrogate, 0 off agent tokens
-        ratio_m = ratio * mf  # (N, T) ρ > 0 and finite: its max is the max over agent tokens
-        metrics = clip_metrics(
-            loss, loss_norm=weighted_sum(s * s, w).sqrt(),
-            clipfrac_high=torch.count_nonzero(parts.clipped_high) / n_tok,
-            clipfrac_low=torch.count_nonzero(parts.clipped_low) / n_tok,
-            ppo_kl=-delta.detach().sum() / n_tok, ratio_mean=ratio_m.sum() / n_tok,
-            ratio_max=ratio_m.max() if ratio_m.numel() else torch.zeros_like(n_tok),
-            bias_norm=bias_norm, lam=lam, lengths=lengths)
+    loss = _assemble(rho, t.parts, t.w_loss, lam)
+    metrics = _token_metrics(loss, t, delta, lam)
     metrics.update(extra)
     return loss, metrics
+
+
+class _TokenTerms(NamedTuple):
+    """The detached per-token quantities of the token and sequence paths, all (N, T) but
+    `lengths` (N,) and `bias_norm` (0-d)."""
+    ratio: torch.Tensor  # ρ
+    mf: torch.Tensor  # agent-token mask as floats
+    lengths: torch.Tensor  # |y_i|
+    w: torch.Tensor  # this shard's aggregation weights w = m c_i (diagnostics, corrections)
+    w_loss: torch.Tensor  # the loss's weights (over the whole batch under global_denoms)
+    w_corr: torch.Tensor  # the corrections' weights: shares of the whole batch under `reduce`
+    adv: torch.Tensor  # A on agent tokens, 0 elsewhere
+    parts: Any  # `surrogate_parts`: s = coef ρ + const, and which tokens are clipped
+    bias_sq: torch.Tensor  # κ (ρA)²
+    bias_norm: torch.Tensor  # ‖clip bias‖ = sqrt(Σ w κ (ρA)²), over every shard under `reduce`
+
+
+@torch.no_grad()
+def _token_terms(rho: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+                 clip_low: float, clip_high: float, loss_agg: str, dual_clip: Optional[float],
+                 global_denoms: GlobalDenoms, reduce: Reduce) -> _TokenTerms:
+    ratio = rho.detach()
+    mf = mask_float(loss_mask, ratio.dtype)  # (N, T)
+    lengths = mf.sum(dim=1)  # (N,) |y_i|
+    w = mf * agg_row_weights(mf, loss_agg, lengths=lengths).unsqueeze(1)  # (N, T) local: w = m c
+    w_loss = w if global_denoms is None else mf * agg_row_weights(
+        mf, loss_agg, global_denoms, lengths=lengths).unsqueeze(1)  # (N, T)
+    adv = torch.where(loss_mask, advantages, 0.0).to(ratio.dtype)  # (N, T)
+    parts = surrogate_parts(ratio, adv, clip_low, clip_high, dual_clip)
+    bias_sq = clip_bias_sq(ratio, adv, parts.clipped)  # (N, T); clipped is False where A = 0
+    w_corr = w if reduce is None else w_loss
+    bias_sq_sum = weighted_sum(bias_sq, w_corr)
+    bias_norm = (bias_sq_sum if reduce is None else reduce(bias_sq_sum)).sqrt()
+    return _TokenTerms(ratio, mf, lengths, w, w_loss, w_corr, adv, parts, bias_sq, bias_norm)
+
+
+@torch.no_grad()
+def _token_metrics(loss: torch.Tensor, t: _TokenTerms, delta: torch.Tensor,
+                   lam) -> dict[str, torch.Tensor]:
+    """`clip_metrics` of the token and sequence paths (token-weighted over agent tokens)."""
+    n_tok = t.lengths.sum().clamp(min=1)
+    s = t.parts.coef * t.ratio + t.parts.const  # (N, T) surrogate, 0 off agent tokens
+    ratio_m = t.ratio * t.mf  # (N, T) ρ > 0 and finite: its max is the max over agent tokens
+    return clip_metrics(
+        loss, loss_norm=weighted_sum(s * s, t.w).sqrt(),
+        clipfrac_high=torch.count_nonzero(t.parts.clipped_high) / n_tok,
+        clipfrac_low=torch.count_nonzero(t.parts.clipped_low) / n_tok,
+        ppo_kl=-delta.detach().sum() / n_tok, ratio_mean=ratio_m.sum() / n_tok,
+        ratio_max=ratio_m.max() if ratio_m.numel() else torch.zeros_like(n_tok),
+        bias_norm=t.bias_norm, lam=lam, lengths=t.lengths)
 
 
 def _assemble(rho: torch.Tensor, parts, w_loss: torch.Tensor, lam) -> torch.Tensor:
