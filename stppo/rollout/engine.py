@@ -15,8 +15,9 @@ Speed (benchmarks/bench_rollout.py, benchmarks/bench_vs_trl.py). Per decoding st
 does only tensor work on the batch (no per-row Python, no conversion to lists until the turn
 ends): the turn's attention mask is one preallocated buffer filled a column per step; sampled
 ids and log-probs go to (B, S) buffers; for SDPA models the 4-D mask transformers would derive
-from the 2-D one is handed over directly; generation runs in inference mode. None of this
-changes a number. Rows that share a prompt (a GRPO group's samples) are prefilled once and their
+from the 2-D one is handed over directly; generation runs in inference mode; a decoding step of a
+Qwen2/Llama model runs the model's code without the module machinery (`leanstep.py`, checked bit
+for bit against the forward). None of this changes a number. Rows that share a prompt (a GRPO group's samples) are prefilled once and their
 keys/values copied: the same computation on fewer rows, equal bit for bit when the prefill still
 has many rows; with only one or two distinct prompts BLAS picks other kernels for the smaller
 matrices and log-probs may move by ~1e-6 (measured) — as they already do when finished rows are
@@ -38,6 +39,7 @@ from stppo.rollout.episodes import (Trajectory, encode_prompt, encode_texts, pac
                                     pad_token_id)
 from stppo.rollout.kvcache import (RowCache, cache_kwarg, row_cache, stack_row_caches,
                                   supports_row_caches)
+from stppo.rollout.leanstep import decode_step
 from stppo.rollout.sampling import sample_next
 from stppo.rollout.stopping import StopChecker, eos_token_ids
 
@@ -172,9 +174,9 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     spans = [((c0 - n, c0), (c0 + width - len(c), c0 + width)) for n, c in zip(held_len, chunks)]
     spans = [((a, e),) if e0 == a2 else ((a, e0), (a2, e)) for (a, e0), (a2, e) in spans]
     run = _Decode(b, steps, budgets, device)
-    return run.loop(model, past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
+    return run.loop(past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
                     generator=generator, keep_cache=keep_cache, mask_4d=mask_4d,
-                    cache_key=cache_key)
+                    step_fn=decode_step(model, cache_key))
 
 
 class _Decode:
@@ -188,8 +190,8 @@ class _Decode:
         self.length, self.stopped, self.caches = [0] * b, [False] * b, [None] * b
         self.steps = steps
 
-    def loop(self, model, past, mask, n, logits, cfg, stop, spans, *, pad_id, generator,
-             keep_cache, mask_4d, cache_key) -> list[TurnOutput]:
+    def loop(self, past, mask, n, logits, cfg, stop, spans, *, pad_id, generator,
+             keep_cache, mask_4d, step_fn) -> list[TurnOutput]:
         device = mask.device
         rows = torch.arange(mask.shape[0], device=device)  # (B',) batch slot → row
         slot_rows = rows.tolist()
@@ -225,9 +227,8 @@ class _Decode:
                 tokens = tokens.masked_fill(~live, pad_id)
             mask[:, n] = live
             n += 1
-            logits = model(input_ids=tokens.unsqueeze(1), position_ids=next_pos.unsqueeze(1),
-                           attention_mask=_step_mask(mask, n, mask_4d), use_cache=True,
-                           **{cache_key: past}).logits[:, -1]  # (B', V)
+            logits = step_fn(tokens.unsqueeze(1), next_pos.unsqueeze(1),
+                             _step_mask(mask, n, mask_4d), past)  # (B', V)
             next_pos = next_pos + live
         ids, log_probs = self.ids.tolist(), self.log_probs.tolist()
         return [TurnOutput(ids[r][:m], log_probs[r][:m], self.stopped[r], self.caches[r])
