@@ -135,12 +135,43 @@ def test_models_it_does_not_reproduce_step_through_their_forward(tok):
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1,
                                                        n_head=2, n_positions=64))
     assert not leanstep.supported(gpt2)
-    step = leanstep.decode_step(hooked, "cache")
+    steps = leanstep.ModelSteps(hooked, "cache")
+    assert steps.lean is None
     ids, pos = _step_inputs(hooked)
     cache, mask = _prefilled(hooked)
     ref_cache, _ = _prefilled(hooked)
     with torch.inference_mode():
-        assert torch.equal(step(ids, pos, mask, cache), _forward(hooked, ids, pos, mask, ref_cache))
+        assert torch.equal(steps.decode(ids, pos, mask, cache),
+                           _forward(hooked, ids, pos, mask, ref_cache))
+
+
+@pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama-gqa"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lean_prefill_runs_the_last_layer_on_the_last_position_only(tok, make, bf16):
+    """The prefill's cache is the forward's bit for bit; its last-position logits come from the
+    same computation on fewer rows (other matrix kernels: equal up to their rounding)."""
+    model = make(tok)
+    rows, cached, width = 5, 23, 17
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=g)
+    held = torch.ones(rows, cached + width, dtype=torch.bool)
+    held[1, :7] = held[3, :2] = False  # left padding of the cached part
+    held[2, cached:cached + 4] = False  # a shorter chunk, left-padded
+    pos = engine_module.position_ids_from_mask(held)[:, -width:]
+    mask = engine_module._prefill_mask(held, cached, width, True)  # (B, 1, W, C+W)
+    assert mask.shape == (rows, 1, width, cached + width)
+    mine_cache, _ = _prefilled(model, rows, cached)
+    theirs_cache, _ = _prefilled(model, rows, cached)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        theirs = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                       cache=theirs_cache, logits_to_keep=1).logits[:, -1]
+        mine = leanstep.LeanStep(model)(ids, pos, mask, mine_cache)
+    for a, b in zip(mine_cache.layers, theirs_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+    # bfloat16 keeps 8 bits: a value rounded the other way moves by 2^-8 of itself
+    atol = 4 * 2.0 ** -8 * float(theirs.abs().max()) if bf16 else 1e-5
+    torch.testing.assert_close(mine, theirs, atol=atol, rtol=0)
 
 
 class EchoEnv:
@@ -157,38 +188,56 @@ class EchoEnv:
         return 0.0
 
 
-def _plain_step(model, cache_key):
-    def step(ids, pos, mask, past):
-        return model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                     **{cache_key: past}).logits[:, -1]
-    return step
+class PlainSteps(leanstep.ModelSteps):
+    """Every call through the model's forward."""
+
+    def __init__(self, model, cache_key):
+        super().__init__(model, cache_key)
+        self.lean = None
+
+
+def _later_turn_firsts(batch) -> torch.Tensor:
+    """(N, T) bool: the first agent token of every turn but the first (a prefill's token)."""
+    agent = batch.loss_mask
+    firsts = agent & ~torch.cat([torch.zeros_like(agent[:, :1]), agent[:, :-1]], dim=1)
+    return firsts & (firsts.cumsum(1) >= 2)
 
 
 @pytest.mark.parametrize("make", [_qwen2, _llama], ids=["qwen2", "llama-gqa"])
-def test_rollout_with_the_lean_step_is_the_rollout_through_the_forward(tok, make, monkeypatch):
+def test_rollout_with_the_lean_steps_is_the_rollout_through_the_forward(tok, make, monkeypatch):
     model = make(tok)
-    calls, forward_steps = [], []
+    lean_calls, forward_calls = [], []
     real_call, real_forward = leanstep.LeanStep.__call__, type(model).forward
     monkeypatch.setattr(leanstep.LeanStep, "__call__",
-                        lambda self, *a: calls.append(1) or real_call(self, *a))
+                        lambda self, ids, *a: lean_calls.append(ids.shape[1]) or real_call(self, ids, *a))
 
     @functools.wraps(real_forward)  # a class-level spy, with the forward's signature
     def spy(self, *a, **k):
-        forward_steps.append(k["input_ids"].shape[1] == 1)
+        forward_calls.append(k["input_ids"].shape[1])
         return real_forward(self, *a, **k)
     monkeypatch.setattr(type(model), "forward", spy)
-    questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(7)]
+    # prompts of several lengths: turn 0's decoding steps have a mask (checked), so turn 1's
+    # prefill, which has one too, may be lean
+    questions = [Question(str(i), f"where was person {'x y ' * i}born?", ("Lyon",))
+                 for i in range(7)]
     cfg = RolloutConfig(max_new_tokens=9, max_total_tokens=400)
     lean = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(3))
     assert set(leanstep._checked[model].values()) == {True}
-    # every decoding step went through the lean step; the forward ran once per check
-    assert len(calls) >= 3 * 4 and sum(forward_steps) == len(leanstep._checked[model])
+    # the forward: turn 0's prefill (nothing cached) and one decoding step per check; the lean
+    # step: every other decoding step and the prefills of turns 1 and 2
+    assert sum(n == 1 for n in forward_calls) == len(leanstep._checked[model])
+    assert sum(n > 1 for n in forward_calls) == 1 and sum(n > 1 for n in lean_calls) == 2
+    assert sum(n == 1 for n in lean_calls) >= 3 * 4
     monkeypatch.setattr(type(model), "forward", real_forward)
-    monkeypatch.setattr(engine_module, "decode_step", _plain_step)
+    monkeypatch.setattr(engine_module, "ModelSteps", PlainSteps)
     plain = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(3))
     assert lean.num_turns.tolist() == [3] * 7
     assert torch.equal(lean.input_ids, plain.input_ids)
-    assert torch.equal(lean.rollout_log_probs, plain.rollout_log_probs)
+    firsts = _later_turn_firsts(lean)
+    assert int(firsts.sum()) == 2 * 7
+    assert torch.equal(lean.rollout_log_probs[~firsts], plain.rollout_log_probs[~firsts])
+    torch.testing.assert_close(lean.rollout_log_probs[firsts], plain.rollout_log_probs[firsts],
+                               atol=1e-5, rtol=0)
 
 
 def test_a_lean_step_that_differs_is_dropped_with_one_warning(tok, monkeypatch, caplog):
@@ -204,7 +253,7 @@ def test_a_lean_step_that_differs_is_dropped_with_one_warning(tok, monkeypatch, 
     warnings = [r for r in caplog.records if "lean decoding step" in r.getMessage()]
     assert len(warnings) == 1
     assert set(leanstep._checked[model].values()) == {False}
-    monkeypatch.setattr(engine_module, "decode_step", _plain_step)
+    monkeypatch.setattr(engine_module, "ModelSteps", PlainSteps)
     plain = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(drifted.input_ids, plain.input_ids)
+    assert torch.equal(drifted.input_ids, plain.input_ids)  # prefills and steps: the forward's
     assert torch.equal(drifted.rollout_log_probs, plain.rollout_log_probs)

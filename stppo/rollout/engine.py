@@ -17,10 +17,13 @@ ends): the turn's attention mask is one preallocated buffer filled a column per 
 ids and log-probs go to (B, S) buffers; for SDPA models the 4-D mask transformers would derive
 from the 2-D one is handed over directly; generation runs in inference mode; a decoding step of a
 Qwen2/Llama model runs the model's code without the module machinery (`leanstep.py`, checked bit
-for bit against the forward). None of this changes a number. Rows that share a prompt (a GRPO group's samples) are prefilled once and their
-keys/values copied: the same computation on fewer rows, equal bit for bit when the prefill still
-has many rows; with only one or two distinct prompts BLAS picks other kernels for the smaller
-matrices and log-probs may move by ~1e-6 (measured) — as they already do when finished rows are
+for bit against the forward). None of this changes a number. Two things move the logits of a
+turn's first token by the rounding of other matrix kernels (~1e-7 to 1e-6, measured), being the
+same computation on fewer rows: a prefill over cached tokens of such a model runs its last
+layer's query, attention and MLP on the last position only (`leanstep.py`); and rows that share
+a prompt (a GRPO group's samples) are prefilled once and their keys/values copied — equal bit
+for bit while the prefill still has many rows, but with only one or two distinct prompts BLAS
+picks other kernels for the smaller matrices — as log-probs already move when finished rows are
 compacted out of the batch.
 """
 
@@ -39,7 +42,7 @@ from stppo.rollout.episodes import (Trajectory, encode_prompt, encode_texts, pac
                                     pad_token_id)
 from stppo.rollout.kvcache import (RowCache, cache_kwarg, row_cache, stack_row_caches,
                                   supports_row_caches)
-from stppo.rollout.leanstep import decode_step
+from stppo.rollout.leanstep import ModelSteps
 from stppo.rollout.sampling import sample_next
 from stppo.rollout.stopping import StopChecker, eos_token_ids
 
@@ -161,10 +164,9 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     # prefilled once; their keys/values and next-token logits are then copied to every copy.
     same = _shared_prompts(chunks, caches)
     rep = torch.arange(b) if same is None else torch.tensor(same[0])  # (U,) rows prefilled
-    cache_key = cache_kwarg(type(model).forward)  # the forward's name for the KV cache
-    logits = model(input_ids=ids[rep].to(device), position_ids=pos[rep],
-                   attention_mask=_prefill_mask(mask[rep.to(device)], c0, width, mask_4d),
-                   use_cache=True, logits_to_keep=1, **{cache_key: past}).logits[:, -1]  # (U, V)
+    calls = ModelSteps(model, cache_kwarg(type(model).forward))  # lean where checked
+    logits = calls.prefill(ids[rep].to(device), pos[rep],
+                           _prefill_mask(mask[rep.to(device)], c0, width, mask_4d), past)  # (U, V)
     if same is not None:
         src = torch.tensor(same[1], device=device)  # (B,) each row's prefilled row
         past.batch_select_indices(src)
@@ -176,7 +178,7 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     run = _Decode(b, steps, budgets, device)
     return run.loop(past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
                     generator=generator, keep_cache=keep_cache, mask_4d=mask_4d,
-                    step_fn=decode_step(model, cache_key))
+                    step_fn=calls.decode)
 
 
 class _Decode:
