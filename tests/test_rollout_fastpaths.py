@@ -10,17 +10,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.masking_utils import create_causal_mask
 
-from stppo.envs.base import STOP_TAGS, Question, StepResult
+from stppo.envs.base import STOP_TAGS, Question
 from stppo.models import MODEL_PRESETS, build_random_model, policy_log_probs, train_tokenizer
 from stppo.rollout import RolloutConfig, StopChecker, rollout
 from stppo.rollout import engine as engine_module
 from stppo.rollout.episodes import encode_text, encode_texts
 from stppo.rollout.kvcache import GrowingLayer, cache_kwarg, stack_row_caches
+from echo_env import EchoEnv
 
 TEXTS = ["Question: where was Alice born?\n<search> Alice born</search>\n<information> Alice was "
          "born in Lyon.</information>\n<answer> Lyon</answer>",
          "Question: where was Bob born?\n<search> Bob born</search>\n<information> Bob was born "
          "in Paris.</information>\n<answer> Paris</answer>"] * 10
+
+
+ENV = EchoEnv(observation="\n<information> Bob was born in Paris.</information>\n")
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +37,6 @@ def tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tok):
     return build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).eval()
-
-
-class EchoEnv:
-    """Every turn gets the same observation; the episode ends after max_turns."""
-    max_turns = 3
-
-    def prompt(self, q):
-        return f"Question: {q.question}\n"
-
-    def step_batch(self, questions, actions, turns):
-        return [StepResult("invalid", "\n<information> Bob was born in Paris.</information>\n",
-                           False) for _ in actions]
-
-    def score(self, q, answer):
-        return 0.0
 
 
 def _cache(model, lengths, g):
@@ -90,10 +79,10 @@ def test_handed_over_masks_are_the_ones_transformers_builds(model, lengths, chun
 def test_handed_over_masks_change_no_number(tok, model, monkeypatch):
     questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(6)]
     cfg = RolloutConfig(max_new_tokens=8, max_total_tokens=200)
-    fast = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(1))
+    fast = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(engine_module, "_prefill_mask", lambda mask, c0, w, _: mask[:, :c0 + w])
     monkeypatch.setattr(engine_module, "_step_mask", lambda mask, n, _: mask[:, :n])
-    plain = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(1))
+    plain = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(1))
     assert fast.num_turns.tolist() == [3] * 6
     assert torch.equal(fast.input_ids, plain.input_ids)
     assert torch.equal(fast.rollout_log_probs, plain.rollout_log_probs)
@@ -113,9 +102,9 @@ def test_a_groups_prompt_is_prefilled_once_and_samples_the_same(tok, model, monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", spy)
-    shared = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(2))
+    shared = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(2))
     monkeypatch.setattr(engine_module, "_shared_prompts", lambda chunks, caches: None)
-    each = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(2))
+    each = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(2))
     assert widths == [4, 16]  # the first prefill ran on the 4 distinct prompts
     assert torch.equal(shared.input_ids, each.input_ids)
     torch.testing.assert_close(shared.rollout_log_probs, each.rollout_log_probs, atol=1e-5, rtol=0)
@@ -164,7 +153,7 @@ def test_no_stop_tags_stop_only_at_eos(tok):
 
 def test_rollout_batch_is_an_ordinary_tensor_for_the_update(tok, model):
     questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(3)]
-    batch = rollout(model, tok, EchoEnv(), questions, RolloutConfig(max_new_tokens=5),
+    batch = rollout(model, tok, ENV, questions, RolloutConfig(max_new_tokens=5),
                     generator=torch.Generator().manual_seed(0))
     assert not batch.input_ids.is_inference() and not batch.rollout_log_probs.is_inference()
     model.train()

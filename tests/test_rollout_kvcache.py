@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from stppo.envs.base import Question, StepResult
+from stppo.envs.base import Question
 from stppo.models import MODEL_PRESETS, build_random_model, train_tokenizer
 from stppo.rollout import RolloutConfig, rollout
 from stppo.rollout import engine as engine_module
 from stppo.rollout import kvcache
 from stppo.rollout.kvcache import GrowingCache, GrowingLayer
+from echo_env import EchoEnv
 
 TEXTS = ["Question: where was Alice born?\n<search> Alice born</search>\n<information> Alice was "
          "born in Lyon.</information>\n<answer> Lyon</answer>"] * 10
@@ -38,6 +39,9 @@ def test_growing_layer_matches_concatenation():
     assert torch.equal(grow.update(k, k)[0], ref.update(k, k)[0])
 
 
+ENV = EchoEnv(max_turns=4)
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
@@ -61,31 +65,16 @@ def test_growing_cache_gives_the_same_logits_as_the_default_cache(tok):
     assert kvcache.supports_row_caches(model)
 
 
-class EchoEnv:
-    """Every turn is answered with a fixed observation; the episode ends after max_turns."""
-    max_turns = 4
-
-    def prompt(self, q):
-        return f"Question: {q.question}\n"
-
-    def step_batch(self, questions, actions, turns):
-        return [StepResult("invalid", "\n<information> Alice was born in Lyon.</information>\n",
-                           False) for _ in actions]
-
-    def score(self, q, answer):
-        return 0.0
-
-
 def test_carrying_caches_across_turns_changes_nothing(tok, monkeypatch):
     """Re-encoding every trajectory from scratch each turn (the fallback for sliding-window
     models) samples the same tokens with the same log-probs."""
     model = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).eval()
     questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(10)]
     cfg = RolloutConfig(max_new_tokens=10, max_total_tokens=300)
-    carried = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(3))
+    carried = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(3))
     for module in (engine_module, kvcache):
         monkeypatch.setattr(module, "supports_row_caches", lambda model: False)
-    fresh = rollout(model, tok, EchoEnv(), questions, cfg, generator=torch.Generator().manual_seed(3))
+    fresh = rollout(model, tok, ENV, questions, cfg, generator=torch.Generator().manual_seed(3))
     assert carried.num_turns.tolist() == [4] * 10
     assert torch.equal(carried.input_ids, fresh.input_ids)
     torch.testing.assert_close(carried.rollout_log_probs, fresh.rollout_log_probs, atol=1e-5, rtol=0)
@@ -109,7 +98,7 @@ def test_the_rollout_passes_the_cache_under_the_name_the_installed_transformers_
     questions = [Question(str(i), f"where was person {i} born?", ("Lyon",)) for i in range(3)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        batch = rollout(model, tok, EchoEnv(), questions, RolloutConfig(max_new_tokens=6),
+        batch = rollout(model, tok, ENV, questions, RolloutConfig(max_new_tokens=6),
                         generator=torch.Generator().manual_seed(0))
     assert batch.num_turns.tolist() == [4] * 3
     assert not [w for w in caught if "past_key_values" in str(w.message)]

@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from stppo.envs.base import Question, StepResult
+from stppo.envs.base import Question
 from stppo.models import MODEL_PRESETS, build_random_model, train_tokenizer
 from stppo.rollout import RolloutConfig, rollout
 from stppo.rollout import engine as engine_module
 from stppo.rollout import leanstep
 from stppo.rollout.kvcache import GrowingCache, GrowingLayer
+from echo_env import EchoEnv
 
 TEXTS = ["Question: where was Alice born?\n<search> Alice born</search>\n<information> Alice was "
          "born in Lyon.</information>\n<answer> Lyon</answer>"] * 10
@@ -172,20 +173,6 @@ def test_lean_prefill_runs_the_last_layer_on_the_last_position_only(tok, make, b
     # bfloat16 keeps 8 bits: a value rounded the other way moves by 2^-8 of itself
     atol = 4 * 2.0 ** -8 * float(theirs.abs().max()) if bf16 else 1e-5
     torch.testing.assert_close(mine, theirs, atol=atol, rtol=0)
-
-
-class EchoEnv:
-    max_turns = 3
-
-    def prompt(self, q):
-        return f"Question: {q.question}\n"
-
-    def step_batch(self, questions, actions, turns):
-        return [StepResult("invalid", "\n<information> Alice was born in Lyon.</information>\n",
-                           False) for _ in actions]
-
-    def score(self, q, answer):
-        return 0.0
 
 
 class PlainSteps(leanstep.ModelSteps):
