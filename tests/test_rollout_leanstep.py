@@ -123,8 +123,10 @@ def test_models_it_does_not_reproduce_step_through_their_forward(tok):
     eager = _qwen2(tok)
     eager.config._attn_implementation = "eager"
     assert not leanstep.supported(eager)
-    sliding = _llama(tok)
-    sliding.config.layer_types = ["sliding_attention", "full_attention"]
+    arch = dict(MODEL_PRESETS["tiny"].arch, use_sliding_window=True, sliding_window=16,
+                max_window_layers=1)  # layers 1.. attend within a window
+    sliding = build_random_model(arch, tok, seed=0).eval()
+    assert "sliding_attention" in sliding.config.layer_types
     assert not leanstep.supported(sliding)
 
     class Wrapped(torch.nn.Linear):  # an adapter-style projection (LoRA and the like)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stppo.rollout.kvcache import supports_row_caches
+
 log = logging.getLogger(__name__)
 
 # model → {setting: whether the lean step reproduced the model's forward}
@@ -68,10 +70,9 @@ def supported(model: nn.Module) -> bool:
     if classes is None:
         return False
     layer_cls, attn_cls, mlp_cls, norm_cls = classes
-    config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+    if not supports_row_caches(model):  # a sliding-window or other non-full attention layer
         return False
     core = model.model
     if type(core.norm) is not norm_cls or type(model.lm_head) is not nn.Linear:
@@ -81,7 +82,6 @@ def supported(model: nn.Module) -> bool:
         if (type(layer) is not layer_cls or type(a) is not attn_cls or type(m) is not mlp_cls
                 or type(layer.input_layernorm) is not norm_cls
                 or type(layer.post_attention_layernorm) is not norm_cls
-                or getattr(a, "sliding_window", None) is not None
                 or any(type(p) is not nn.Linear for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                                                           m.gate_proj, m.up_proj, m.down_proj))):
             return False
