@@ -218,8 +218,15 @@ class RolloutSettings:
     max_total_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
+    # The decoding path (stppo.rollout): auto = static on CUDA (fixed-size cache, batch buckets,
+    # CUDA graphs; Qwen2/Llama models), eager otherwise; eager; static (also on the CPU, no graphs)
+    engine: str = "auto"
+    check_every: int = 8  # static: decoding steps between the host's checks for stop tags
+    cuda_graphs: bool = True  # static on CUDA: capture each bucket's decoding step as a graph
 
     def __post_init__(self) -> None:
+        _one_of("trainer.rollout.engine", self.engine, ("auto", "eager", "static"))
+        _check(self.check_every >= 1, f"trainer.rollout.check_every must be >= 1, got {self.check_every}")
         _check(self.max_new_tokens >= 1, "trainer.rollout.max_new_tokens must be >= 1")
         _check(self.temperature > 0, f"trainer.rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"trainer.rollout.top_p must be in (0, 1], got {self.top_p}")

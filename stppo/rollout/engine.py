@@ -42,8 +42,11 @@ from stppo.rollout.episodes import (Trajectory, encode_prompt, encode_texts, pac
                                     pad_token_id)
 from stppo.rollout.kvcache import (RowCache, cache_kwarg, row_cache, stack_row_caches,
                                   supports_row_caches)
+from stppo.rollout import leanstep
 from stppo.rollout.leanstep import ModelSteps
-from stppo.rollout.sampling import sample_next
+from stppo.rollout.sampling import sample_next, turn_uniforms
+from stppo.rollout.static import engine_for
+from stppo.rollout.weights import sampler_model
 from stppo.rollout.stopping import StopChecker, eos_token_ids
 
 
@@ -63,6 +66,7 @@ def rollout(model, tokenizer, env: AgentEnv, questions: Sequence[Question], cfg:
 
     `group_ids` default: rows with the same question id share a group (numbered by first
     appearance). `generator` makes sampling reproducible (same seed ⇒ same rollout on CPU).
+    `cfg.engine` picks the decoding path (`resolve_engine`): this module's, or `static.py`'s.
     """
     stop = StopChecker(tokenizer, eos_token_ids(tokenizer, model),
                        getattr(env, "stop_tags", STOP_TAGS))
@@ -72,9 +76,9 @@ def rollout(model, tokenizer, env: AgentEnv, questions: Sequence[Question], cfg:
     if longest >= cfg.max_total_tokens:
         raise ValueError(f"rollout.max_total_tokens={cfg.max_total_tokens} leaves no room to "
                          f"generate after a {longest}-token prompt; raise it")
+    turns = (StaticTurns(model, cfg, len(trajs)) if resolve_engine(model, cfg) == "static"
+             else EagerTurns(model, len(trajs)))
     active = list(range(len(trajs)))
-    caches: list = [None] * len(trajs)  # per trajectory: keys/values of ids[:cached[i]]
-    cached = [0] * len(trajs)
     was_training = model.training
     model.eval()
     try:
@@ -83,21 +87,78 @@ def rollout(model, tokenizer, env: AgentEnv, questions: Sequence[Question], cfg:
                 break
             budgets = [min(cfg.max_new_tokens, cfg.max_total_tokens - len(trajs[i].ids))
                        for i in active]
-            outs = generate_turn(model, [trajs[i].ids[cached[i]:] for i in active],
-                                 [caches[i] for i in active], budgets, cfg, stop, pad_id=pad_id,
-                                 generator=generator, keep_cache=turn + 1 < env.max_turns)
-            for i, out in zip(active, outs):  # the cache covers all but the last sampled token
-                caches[i] = out.cache
-                cached[i] = len(trajs[i].ids) + len(out.ids) - 1 if out.cache is not None else 0
-                out.cache = None
+            outs = turns.generate(active, [trajs[i].ids for i in active], budgets, cfg, stop,
+                                  pad_id=pad_id, generator=generator,
+                                  keep_cache=turn + 1 < env.max_turns)
             active = _advance(env, tokenizer, questions, trajs, active, outs, turn, cfg)
-            still = set(active)
-            caches = [c if i in still else None for i, c in enumerate(caches)]
+            turns.keep(active)
     finally:
         model.train(was_training)
     scores = [0.0 if tr.truncated or tr.answer is None else float(env.score(q, tr.answer))
               for q, tr in zip(questions, trajs)]
     return pack_batch(trajs, list(questions), pad_id=pad_id, group_ids=group_ids, scores=scores)
+
+
+def resolve_engine(model, cfg: RolloutConfig) -> str:
+    """'static' or 'eager' for `cfg.engine` on this model: auto is static on CUDA for the models
+    the lean code supports, eager otherwise; static on another model is a one-line error."""
+    if cfg.engine == "eager":
+        return "eager"
+    ok = leanstep.supported(model)
+    if cfg.engine == "static":
+        if not ok:
+            raise ValueError(f"trainer.rollout.engine=static needs a Qwen2 or Llama model with SDPA "
+                             f"full attention and no hooks ({type(model).__name__} is not one); "
+                             "use trainer.rollout.engine=eager")
+        return "static"
+    return "static" if ok and next(model.parameters()).device.type == "cuda" else "eager"
+
+
+class EagerTurns:
+    """The eager path's turns: each trajectory's keys/values travel between turns as row caches
+    (`kvcache.py`), restacked for the next turn."""
+
+    def __init__(self, model, n: int):
+        self.model = model
+        self.caches: list = [None] * n  # per trajectory: keys/values of ids[:cached[i]]
+        self.cached = [0] * n
+
+    def generate(self, active, ids, budgets, cfg, stop, *, pad_id, generator, keep_cache):
+        outs = generate_turn(self.model, [x[self.cached[i]:] for i, x in zip(active, ids)],
+                             [self.caches[i] for i in active], budgets, cfg, stop, pad_id=pad_id,
+                             generator=generator, keep_cache=keep_cache)
+        for i, x, out in zip(active, ids, outs):  # the cache covers all but the last sampled token
+            self.caches[i] = out.cache
+            self.cached[i] = len(x) + len(out.ids) - 1 if out.cache is not None else 0
+            out.cache = None
+        return outs
+
+    def keep(self, active) -> None:
+        still = set(active)
+        self.caches = [c if i in still else None for i, c in enumerate(self.caches)]
+
+
+class StaticTurns:
+    """The static path's turns (`static.py`): each trajectory's keys/values stay in its slot of
+    the engine's fixed-size cache; the engine reads the sampler's weights (`weights.py`)."""
+
+    def __init__(self, model, cfg: RolloutConfig, n: int):
+        sampler = sampler_model(model)
+        self.engine = engine_for(sampler, cfg, n)
+        self.device = next(sampler.parameters()).device
+        self.slot, self.cached = list(range(n)), [0] * n
+
+    def generate(self, active, ids, budgets, cfg, stop, *, pad_id, generator, keep_cache):
+        with torch.autocast(self.device.type, enabled=False):  # the sampler holds compute-dtype weights
+            res = self.engine.turn([self.slot[i] for i in active], [self.cached[i] for i in active],
+                                   [x[self.cached[i]:] for i, x in zip(active, ids)], budgets, cfg,
+                                   stop, pad_id=pad_id, generator=generator)
+        for i, r in zip(active, res):
+            self.slot[i], self.cached[i] = r.slot, r.cached
+        return [TurnOutput(r.ids, r.log_probs, r.stopped) for r in res]
+
+    def keep(self, active) -> None:
+        pass  # finished trajectories' slots are simply not read again
 
 
 def _advance(env: AgentEnv, tokenizer, questions: Sequence[Question], trajs: list[Trajectory],
@@ -176,9 +237,9 @@ def generate_turn(model, chunks: Sequence[list[int]], caches: Sequence[RowCache]
     spans = [((c0 - n, c0), (c0 + width - len(c), c0 + width)) for n, c in zip(held_len, chunks)]
     spans = [((a, e),) if e0 == a2 else ((a, e0), (a2, e)) for (a, e0), (a2, e) in spans]
     run = _Decode(b, steps, budgets, device)
-    return run.loop(past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id,
-                    generator=generator, keep_cache=keep_cache, mask_4d=mask_4d,
-                    step_fn=calls.decode)
+    u = None if cfg.greedy else turn_uniforms(b, steps, generator, device)  # (B, S)
+    return run.loop(past, mask, c0 + width, logits, cfg, stop, spans, pad_id=pad_id, u=u,
+                    keep_cache=keep_cache, mask_4d=mask_4d, step_fn=calls.decode)
 
 
 class _Decode:
@@ -192,7 +253,7 @@ class _Decode:
         self.length, self.stopped, self.caches = [0] * b, [False] * b, [None] * b
         self.steps = steps
 
-    def loop(self, past, mask, n, logits, cfg, stop, spans, *, pad_id, generator,
+    def loop(self, past, mask, n, logits, cfg, stop, spans, *, pad_id, u,
              keep_cache, mask_4d, step_fn) -> list[TurnOutput]:
         device = mask.device
         rows = torch.arange(mask.shape[0], device=device)  # (B',) batch slot → row
@@ -201,7 +262,7 @@ class _Decode:
         n_live = len(slot_rows)
         next_pos = mask[:, :n].sum(1)  # (B',) position id of each row's next token
         for step in range(self.steps):
-            tokens, logps = sample_next(logits, cfg, generator)  # (B',), (B',)
+            tokens, logps = sample_next(logits, cfg, u=None if u is None else u[rows, step])
             self.ids[rows, step] = tokens
             self.log_probs[rows, step] = logps
             hit = self._hits(stop, tokens, live, rows, slot_rows, step)  # (B',)

@@ -6,6 +6,12 @@ log-probs equal a fresh forward pass (`policy_log_probs`) and the first PPO mini
 The token itself is drawn from the sampling distribution
     q(v) ∝ softmax(z / τ)_v · 1[v ∈ nucleus_p],
 the nucleus being the smallest set of most likely tokens whose mass under softmax(z / τ) is ≥ p.
+
+Randomness: a turn's uniforms are drawn at once, u ∈ [0, 1)^(B×S) for its B rows and up to S
+steps (`turn_uniforms`), from the run's generator; row r's token at step s is the inverse CDF of q
+at u[r, s]. So a row's draws depend only on the seed, the turn and its place in the turn — not on
+which other rows are still generating — and the eager and the static engine (`static.py`), which
+keep finished rows differently, sample the same tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -29,9 +35,21 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def turn_uniforms(rows: int, steps: int, generator: Optional[torch.Generator],
+                  device: torch.device | str) -> torch.Tensor:
+    """(rows, steps) float32 uniforms of one turn, drawn where the generator lives (the trainer's
+    are CPU generators seeded per step, so a seed gives the same draws on any device), then moved
+    to `device`."""
+    gen_device = generator.device if generator is not None else device
+    u = torch.rand(rows, steps, generator=generator, device=gen_device, dtype=torch.float32)
+    return u.to(device)
+
+
 def sample_next(logits: torch.Tensor, cfg: RolloutConfig,
-                generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) next-token logits → (tokens (B,) long, log π(token) (B,) float32)."""
+                generator: Optional[torch.Generator] = None,
+                u: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) next-token logits → (tokens (B,) long, log π(token) (B,) float32). Sampling reads
+    the uniforms `u` (B,) when given, else draws them from `generator`; greedy reads none."""
     z = logits.float()  # (B, V)
     log_probs = torch.log_softmax(z, dim=-1)  # (B, V) — the unmodified policy
     if cfg.greedy:
@@ -39,18 +57,17 @@ def sample_next(logits: torch.Tensor, cfg: RolloutConfig,
     else:
         scaled = z if cfg.temperature == 1.0 else z / cfg.temperature  # z / 1 == z exactly
         q = top_p_filter(scaled, cfg.top_p).softmax(dim=-1)  # (B, V)
-        tokens = _inverse_cdf(q, generator)  # (B,)
+        if u is None:
+            u = turn_uniforms(q.shape[0], 1, generator, q.device)[:, 0]
+        tokens = inverse_cdf(q, u)  # (B,)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _inverse_cdf(q: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(B, V) probabilities → (B,) draws: the first v with CDF(v) > u·CDF(V), u ~ U[0, 1).
-    Tokens of zero probability have empty intervals, so they are never drawn. (Several times
-    faster than `torch.multinomial` on CPU for one draw per row.)"""
+def inverse_cdf(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B,) uniforms in [0, 1) → (B,) draws: the first v with
+    CDF(v) > u·CDF(V). Tokens of zero probability have empty intervals, so they are never drawn.
+    (Several times faster than `torch.multinomial` on CPU for one draw per row; no host sync.)"""
     cdf = q.cumsum(dim=-1)  # (B, V)
-    # u is drawn where the generator lives (the trainer's are CPU generators seeded per step), so
-    # a seed gives the same draws whatever device the model is on.
-    gen_device = generator.device if generator is not None else q.device
-    u = torch.rand(q.shape[0], 1, generator=generator, device=gen_device, dtype=cdf.dtype).to(q.device)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # (B,)
+    target = u.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]  # (B, 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
     return tokens.clamp_(max=q.shape[-1] - 1)

@@ -111,11 +111,9 @@ def _fit_or_load(cfg: Config, comps, path) -> dict[str, float]:
         comps.critic.load_state_dict(torch.load(path / "critic.pt", map_location="cpu"))
         log.info("critic warm start: reused %s", path)
         return json.loads(done.read_text())
-    r = cfg.trainer.rollout
     qs = comps.task.split("train")[: cw.questions]
     qs = [q for q in qs for _ in range(cfg.trainer.group_size)]
-    rc = RolloutConfig(max_new_tokens=r.max_new_tokens, max_total_tokens=r.max_total_tokens,
-                       temperature=r.temperature, top_p=r.top_p)
+    rc = RolloutConfig.from_settings(cfg.trainer.rollout)
     with comps.precision.autocast():
         batch = rollout(comps.policy, comps.tokenizer, comps.env, qs, rc,
                         generator=torch.Generator().manual_seed(SEED))

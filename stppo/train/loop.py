@@ -62,9 +62,7 @@ def sample_questions(pool: list[Question], n: int, seed: int, step: int) -> list
 
 
 def rollout_config(cfg: Config, *, greedy: bool = False) -> RolloutConfig:
-    r = cfg.trainer.rollout
-    return RolloutConfig(max_new_tokens=r.max_new_tokens, max_total_tokens=r.max_total_tokens,
-                         temperature=r.temperature, top_p=r.top_p, greedy=greedy)
+    return RolloutConfig.from_settings(cfg.trainer.rollout, greedy=greedy)
 
 
 def env_metrics(batch: Batch) -> dict[str, float]:
