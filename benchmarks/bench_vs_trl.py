@@ -54,6 +54,12 @@ here, stppo's update (the same code) took 1.7–3.0 CPU s a step across runs and
 with 16,000–190,000 faults. Interleaving
 charges that noise to both sides alike, but it still moves the ratio by ±0.1 between runs; run it
 a few times. (PyTorch's THP_MEM_ALLOC_ENABLE=1 cuts the fault count ~10×; not set here.)
+
+On a GPU (`--device cuda`): both models on the GPU under bfloat16 autocast with float32 master
+weights — TRL with `bf16=True` (accelerate's autocast) and its default transformers generation
+path (`model.generate`), stppo with its trainer's precision and its default engine there (the
+static path: fixed-size cache, CUDA graphs; `stppo.rollout.static`) — and every time is wall time
+between device synchronisations instead of CPU time.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ from stppo.algos import PRESETS  # noqa: E402
 from stppo.config import AlgoConfig, CorrectionConfig, TrainerConfig  # noqa: E402
 from stppo.envs.base import Question  # noqa: E402
 from stppo.envs.single_turn import SingleTurnEnv  # noqa: E402
-from stppo.models import build_random_model, train_tokenizer  # noqa: E402
+from stppo.models import build_random_model, resolve_precision, train_tokenizer  # noqa: E402
 from stppo.rollout import RolloutConfig, encode_prompt, rollout  # noqa: E402
 from stppo.train.prepare import prepare_batch  # noqa: E402
 from stppo.train.update import UpdateContext, actor_update  # noqa: E402
@@ -151,6 +157,17 @@ def step_order(n_steps: int, seed: int) -> list[list[int]]:
     return out
 
 
+def clock() -> float:
+    """CPU seconds on the CPU; on a GPU wall seconds after the device finished its queue."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+DEVICE = torch.device("cpu")  # main() sets it from --device
+
+
 def stppo_trainer(model, tok, prompts: list[str], n_steps: int, seed: int):
     """stppo's trainer step as a function of the step index → {gen, update, tokens} (CPU s)."""
     preset = PRESETS["grpo"]
@@ -159,8 +176,9 @@ def stppo_trainer(model, tok, prompts: list[str], n_steps: int, seed: int):
                       correction=CorrectionConfig(kind=preset.correction))
     trainer = TrainerConfig(questions_per_step=PROMPTS_PER_STEP, group_size=GROUP, ppo_epochs=1,
                             minibatch_size=PROMPTS_PER_STEP * GROUP, actor_lr=LR,
-                            max_grad_norm=MAX_GRAD_NORM, threads=1, device="cpu")
-    ctx = UpdateContext(algo, trainer, torch.Generator())
+                            max_grad_norm=MAX_GRAD_NORM, threads=1, device=DEVICE.type)
+    precision = resolve_precision("auto", None, DEVICE)  # bf16 autocast on a GPU, none on CPU
+    ctx = UpdateContext(algo, trainer, torch.Generator(), precision=precision)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     specials = tuple(tok.all_special_tokens)
     env = SingleTurnEnv(lambda q, text: vowel_fraction(text, specials))
@@ -175,13 +193,15 @@ def stppo_trainer(model, tok, prompts: list[str], n_steps: int, seed: int):
 
     def step(s: int) -> dict:
         qs = [Question(str(i), prompts[i], ()) for i in order[s] for _ in range(GROUP)]
-        f0, t0 = _faults(), time.process_time()
-        batch = rollout(model, tok, env, qs, cfg, generator=torch.Generator().manual_seed(seed + s))
-        t1 = time.process_time()
-        batch, _ = prepare_batch(batch, model, None, None, algo, **prepare_kwargs)
+        f0, t0 = _faults(), clock()
+        with precision.autocast():
+            batch = rollout(model, tok, env, qs, cfg, generator=torch.Generator().manual_seed(seed + s))
+        t1 = clock()
+        batch, _ = prepare_batch(batch.to(DEVICE), model, None, None, algo, precision=precision,
+                                 **prepare_kwargs)
         ctx.generator.manual_seed(seed + s)
         actor_update(model, opt, batch, ctx)
-        t2 = time.process_time()
+        t2 = clock()
         return {"gen": t1 - t0, "update": t2 - t1, "tokens": int(batch.loss_mask.sum()),
                 "faults": _faults() - f0}
 
@@ -211,8 +231,8 @@ def run_trl(model, tok, prompts: list[str], n_steps: int, seed: int, out_dir: st
         importance_sampling_level="token", mask_truncated_completions=False,
         max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, bf16=False, fp16=False,
-        gradient_checkpointing=False, use_cpu=True, use_vllm=False, report_to="none",
+        weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, bf16=DEVICE.type == "cuda", fp16=False,
+        gradient_checkpointing=False, use_cpu=DEVICE.type == "cpu", use_vllm=False, report_to="none",
         logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         log_completions=False, seed=seed, dataloader_num_workers=0, shuffle_dataset=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, processing_class=tok,
@@ -221,9 +241,9 @@ def run_trl(model, tok, prompts: list[str], n_steps: int, seed: int, out_dir: st
     generate = trainer._generate
 
     def timed_generate(*a, **k):
-        t = time.process_time()
+        t = clock()
         out = generate(*a, **k)
-        gen_times.append(time.process_time() - t)
+        gen_times.append(clock() - t)
         return out
 
     trainer._generate = timed_generate
@@ -232,12 +252,12 @@ def run_trl(model, tok, prompts: list[str], n_steps: int, seed: int, out_dir: st
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            begin.append((time.process_time(), _faults()))
+            begin.append((clock(), _faults()))
 
         def on_step_end(self, *a, **k):
-            end.append((time.process_time(), _faults()))
+            end.append((clock(), _faults()))
             between(len(end) - 1)
-            begin.append((time.process_time(), _faults()))
+            begin.append((clock(), _faults()))
 
     trainer.add_callback(StepClock())
     trainer.remove_callback(PrinterCallback)  # its end-of-training summary line
@@ -269,7 +289,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_vs_trl: --device cuda but torch sees no CUDA device")
     try:
         import trl
     except ImportError:
@@ -280,9 +305,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("STPPO_CACHE_DIR", os.path.join(tmp, "cache"))
         tok, prompts, model0 = build_workload(args.seed)
-        step = stppo_trainer(copy.deepcopy(model0), tok, prompts, n, args.seed)
+        step = stppo_trainer(copy.deepcopy(model0).to(DEVICE), tok, prompts, n, args.seed)
         ours: list[dict] = []
-        trl_side = run_trl(copy.deepcopy(model0), tok, prompts, n, args.seed,
+        trl_side = run_trl(copy.deepcopy(model0).to(DEVICE), tok, prompts, n, args.seed,
                            os.path.join(tmp, "trl"), lambda k: ours.append(step(k)))
     lengths = [len(encode_prompt(tok, p)) for p in prompts]
     a, b = summary(ours[args.warmup:]), summary(trl_side[args.warmup:])
@@ -293,7 +318,8 @@ def main() -> None:
               f"{s['tokens']:.0f} completion tokens, {s['faults']:.0f} page faults)")
     print(f"workload: trl {trl.__version__}, vocabulary {len(tok)}, prompts {len(prompts)} of "
           f"{min(lengths)}-{max(lengths)} tokens, {args.warmup} warm-up + {args.steps} measured "
-          f"steps per side, CPU seconds on {torch.get_num_threads()} thread")
+          f"steps per side, " + (f"wall seconds on {torch.cuda.get_device_name(0)}" if DEVICE.type == "cuda"
+                                  else f"CPU seconds on {torch.get_num_threads()} thread"))
 
 
 if __name__ == "__main__":

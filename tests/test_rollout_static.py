@@ -2,9 +2,13 @@
 where it runs without CUDA graphs: for the same seed it samples the same ids as the eager engine
 and gives the same log-probs (float32, 1e-5) — greedy and sampled, across bucket changes, stop
 tags that span tokens, truncation at the total-length limit and GRPO groups sharing a prompt —
-and it reads a low-precision copy of the policy that follows the policy's weights."""
+and it reads a low-precision copy of the policy that follows the policy's weights.
+
+`STPPO_TEST_DEVICE=cuda` (scripts/gpu_check.sh) runs the same tests on a GPU, where the static
+path replays CUDA graphs, plus the graphs-on vs graphs-off comparison."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -19,6 +23,8 @@ from test_rollout import QUESTIONS, PeopleEnv, sft, text_tag_tokenizer
 from test_rollout import tok  # noqa: F401 (fixture)
 
 GROUPS = [q for q in QUESTIONS for _ in range(3)]  # 4 prompts x 3 samples: GRPO groups
+DEVICE = torch.device(os.environ.get("STPPO_TEST_DEVICE") or "cpu")
+TOL = 1e-5 if DEVICE.type == "cpu" else 1e-4  # other kernels on a GPU (both engines float32)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +41,7 @@ def models(tok, ttok):
         torch.manual_seed(0)
         out[tags, True] = (sft(build_random_model(MODEL_PRESETS["tiny"].arch, tk, seed=0), tk,
                                steps=60), tk)
+    out = {k: (m.to(DEVICE), tk) for k, (m, tk) in out.items()}
     return out
 
 
@@ -65,7 +72,7 @@ def assert_same(a, b):
     for name in ("attention_mask", "loss_mask", "turn_ids", "num_turns", "finished", "truncated",
                  "scores", "num_valid", "num_searches"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert (a.rollout_log_probs - b.rollout_log_probs).abs().max() <= 1e-5
+    assert (a.rollout_log_probs - b.rollout_log_probs).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("tags", ["special", "text"])
@@ -143,8 +150,8 @@ def test_engine_choice(models):
 def test_sampler_copy_follows_the_policy_in_place(tok):
     """Under bfloat16 autocast the static path decodes with a bfloat16 copy of the float32
     policy; an optimizer step changes the policy and the next rollout's copy, in place."""
-    policy = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    policy = build_random_model(MODEL_PRESETS["tiny"].arch, tok, seed=0).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         copy = sampler_model(policy)
         assert copy is not policy and copy.lm_head.weight.dtype == torch.bfloat16
         assert copy.model.rotary_emb.inv_freq.dtype == torch.float32
@@ -162,7 +169,40 @@ def test_sampler_copy_follows_the_policy_in_place(tok):
 def test_static_rollout_under_bf16_autocast_reads_the_copy(models):
     model, tk = models["special", True]
     cfg = RolloutConfig(max_new_tokens=12, max_total_tokens=200, engine="static")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         batch = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
         assert sampler_model(model) in static_module._ENGINES
     assert batch.finished.any() and torch.isfinite(batch.rollout_log_probs).all()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs: STPPO_TEST_DEVICE=cuda on a GPU")
+@pytest.mark.parametrize("greedy", [False, True])
+def test_cuda_graphs_replay_the_plain_steps(models, buckets, greedy):
+    """Each bucket's captured step gives the ids and log-probs of the same step run as plain
+    calls, bit for bit, and a rollout's steps run at several buckets."""
+    model, tk = models["text", True]
+    cfg = RolloutConfig(max_new_tokens=16, max_total_tokens=300, greedy=greedy, engine="static")
+    plain = rollout(model, tk, PeopleEnv(), GROUPS, dataclasses.replace(cfg, cuda_graphs=False),
+                    generator=torch.Generator().manual_seed(5))
+    graphed = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(plain.input_ids, graphed.input_ids)
+    assert torch.equal(plain.rollout_log_probs, graphed.rollout_log_probs)
+    assert static_module._ENGINES[model]._graphs  # captured, not plain calls
+
+
+def test_decoding_steps_can_be_timed_and_their_bytes_counted(models):
+    """What benchmarks/bench_rollout.py reads for the decoding bandwidth: (bucket, steps, s) per
+    run of steps between two checks, and the bytes a step at a bucket must move."""
+    model, tk = models["special", False]
+    cfg = RolloutConfig(max_new_tokens=8, max_total_tokens=100, engine="static", check_every=4)
+    rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
+    engine = static_module._ENGINES[model]
+    engine.timings = []
+    batch = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
+    runs, engine.timings = engine.timings, None
+    assert runs and all(b in (1, 2, 4, 8, 16) and 1 <= k <= 4 and t > 0 for b, k, t in runs)
+    assert sum(k for _, k, _ in runs) >= int(batch.loss_mask.sum(1).max()) - 1
+    c = model.config
+    kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * 32 * engine.kv.columns * 4
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert static_module.step_bytes(engine, 16) == weights + 16 * kv_row + 2 * 16 * c.vocab_size * 4

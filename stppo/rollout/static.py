@@ -34,6 +34,7 @@ the eager engine. torch.compile is not used.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -71,11 +72,12 @@ def engine_for(model: torch.nn.Module, cfg: RolloutConfig, rows: int) -> "Static
     p = next(model.parameters())
     shape = EngineShape(cache_columns(cfg.max_total_tokens), cfg.max_new_tokens, p.dtype, p.device,
                         cfg.temperature, cfg.top_p)
+    graphs = cfg.cuda_graphs and p.device.type == "cuda"
     eng = _ENGINES.get(model)
-    if eng is None or eng.shape != shape or eng.capacity < rows:
-        capacity = bucket(max(rows, eng.capacity if eng is not None and eng.shape == shape else 1))
-        eng = _ENGINES[model] = StaticEngine(model, shape, capacity,
-                                             graphs=cfg.cuda_graphs and p.device.type == "cuda")
+    same = eng is not None and eng.shape == shape and eng.graphs == graphs
+    if not same or eng.capacity < rows:
+        capacity = bucket(max(rows, eng.capacity if same else 1))
+        eng = _ENGINES[model] = StaticEngine(model, shape, capacity, graphs=graphs)
     return eng
 
 
@@ -86,6 +88,7 @@ class StaticEngine:
         c, dev = model.config, shape.device
         self.shape, self.capacity, self.graphs = shape, capacity, graphs
         self.forward = StaticForward(model)
+        self.forward_params = list(model.parameters())
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.kv = StaticKV(c.num_hidden_layers, capacity, c.num_key_value_heads, shape.columns,
                            head_dim, shape.dtype, dev)
@@ -105,6 +108,9 @@ class StaticEngine:
         self.pad_id = 0
         self.state = (self.rows, self.cur, self.done, self.length, self.stopped, self.budget)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # A list to time the decoding steps into (benchmarks): (bucket, steps, seconds) per run
+        # of steps between two checks; None: not timed.
+        self.timings: Optional[list[tuple[int, int, float]]] = None
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
     # -- one decoding step over the first b slots (captured per (b, greedy) on CUDA) -----------
@@ -190,8 +196,11 @@ class StaticEngine:
         s = 0
         while live and s < steps:
             k = min(cfg.check_every, steps - s)
+            clock = _Clock(self.shape.device) if self.timings is not None else None
             for _ in range(k):
                 self._run_step(b, cfg.greedy)
+            if clock is not None:
+                self.timings.append((b, k, clock.seconds()))
             live = self._check(s, s + k, b, slot_row, live, stop, start)
             s += k
             if live and bucket(len(live)) < b:
@@ -313,3 +322,32 @@ def _text_stop(stop: StopChecker, ids: list[int], cand: list[bool], off: int, s0
         if cand[j] and stop.text_hit(ids[:j + 1]):
             return s
     return None
+
+
+class _Clock:
+    """Seconds between its creation and `seconds()` on the device's timeline (CUDA events; the
+    host's clock on the CPU). `seconds()` synchronises."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def step_bytes(engine: StaticEngine, b: int) -> int:
+    """Bytes a decoding step at bucket b must at least move: every weight once (the sampler's
+    parameters), the keys and values of the b slots over all cache columns (the step attends to
+    all of them under its mask), and the float32 logits written and read back."""
+    weights = sum(p.numel() * p.element_size() for p in engine.forward_params)
+    kv = sum(t[:b].numel() * t.element_size() for t in (*engine.kv.k, *engine.kv.v))
+    return weights + kv + 2 * engine.logits[:b].numel() * engine.logits.element_size()
