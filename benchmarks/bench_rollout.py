@@ -216,7 +216,7 @@ def decode_bandwidth(model, tok, env, questions, cfg, precision) -> dict:
     """One graphed rollout with its decoding steps timed on the device: bytes per step
     (`static.step_bytes`) × steps ÷ their time, against a device-to-device copy's bandwidth."""
     with precision.autocast():
-        engine = static._ENGINES[sampler_model(model)]
+        engine = static.cached_engine(sampler_model(model), cfg)
         engine.timings = []
         rollout(model, tok, env, questions, cfg, generator=torch.Generator().manual_seed(7))
     runs, engine.timings = engine.timings, None

@@ -124,12 +124,12 @@ def test_engine_is_kept_and_grows_with_the_rows(models):
     model, tk = models["special", False]
     cfg = RolloutConfig(max_new_tokens=6, max_total_tokens=100, engine="static")
     rollout(model, tk, PeopleEnv(), QUESTIONS, cfg, generator=torch.Generator().manual_seed(0))
-    first = static_module._ENGINES[model]
+    first = static_module.cached_engine(model, cfg)
     assert first.capacity == 4 and first.kv.columns == cache_columns(100) == 112
     rollout(model, tk, PeopleEnv(), QUESTIONS[:2], cfg, generator=torch.Generator().manual_seed(0))
-    assert static_module._ENGINES[model] is first  # fewer rows: the same buffers
+    assert static_module.cached_engine(model, cfg) is first  # fewer rows: the same buffers
     rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
-    assert static_module._ENGINES[model].capacity == 16
+    assert static_module.cached_engine(model, cfg).capacity == 16
 
 
 def test_engine_choice(models):
@@ -171,7 +171,7 @@ def test_static_rollout_under_bf16_autocast_reads_the_copy(models):
     cfg = RolloutConfig(max_new_tokens=12, max_total_tokens=200, engine="static")
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         batch = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
-        assert sampler_model(model) in static_module._ENGINES
+        assert static_module.cached_engine(sampler_model(model), cfg) is not None
     assert batch.finished.any() and torch.isfinite(batch.rollout_log_probs).all()
 
 
@@ -187,7 +187,7 @@ def test_cuda_graphs_replay_the_plain_steps(models, buckets, greedy):
     graphed = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(5))
     assert torch.equal(plain.input_ids, graphed.input_ids)
     assert torch.equal(plain.rollout_log_probs, graphed.rollout_log_probs)
-    assert static_module._ENGINES[model]._graphs  # captured, not plain calls
+    assert static_module.cached_engine(model, cfg)._graphs  # captured, not plain calls
 
 
 def test_decoding_steps_can_be_timed_and_their_bytes_counted(models):
@@ -196,7 +196,7 @@ def test_decoding_steps_can_be_timed_and_their_bytes_counted(models):
     model, tk = models["special", False]
     cfg = RolloutConfig(max_new_tokens=8, max_total_tokens=100, engine="static", check_every=4)
     rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
-    engine = static_module._ENGINES[model]
+    engine = static_module.cached_engine(model, cfg)
     engine.timings = []
     batch = rollout(model, tk, PeopleEnv(), GROUPS, cfg, generator=torch.Generator().manual_seed(0))
     runs, engine.timings = engine.timings, None

@@ -46,7 +46,8 @@ from stppo.rollout.sampling import inverse_cdf, top_p_filter, turn_uniforms
 from stppo.rollout.staticstep import StaticForward, StaticKV, attention_mask, cache_columns
 from stppo.rollout.stopping import StopChecker
 
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, StaticEngine]" = weakref.WeakKeyDictionary()
+# sampler model → {(shape, graphs): engine}: a run keeps one; a benchmark may hold graphs on and off
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def bucket(n: int) -> int:
@@ -65,19 +66,30 @@ class EngineShape:
     top_p: float
 
 
-def engine_for(model: torch.nn.Module, cfg: RolloutConfig, rows: int) -> "StaticEngine":
-    """The static engine of `model` (the sampler's weights) for `cfg`, with room for `rows`
-    rows: built once and kept while the model lives; rebuilt (graphs recaptured) when the shape
-    changes or more rows are asked for than it holds."""
+def engine_key(model: torch.nn.Module, cfg: RolloutConfig) -> tuple["EngineShape", bool]:
+    """What an engine of `model` for `cfg` is kept under: its shape and whether it uses graphs."""
     p = next(model.parameters())
     shape = EngineShape(cache_columns(cfg.max_total_tokens), cfg.max_new_tokens, p.dtype, p.device,
                         cfg.temperature, cfg.top_p)
-    graphs = cfg.cuda_graphs and p.device.type == "cuda"
-    eng = _ENGINES.get(model)
-    same = eng is not None and eng.shape == shape and eng.graphs == graphs
-    if not same or eng.capacity < rows:
-        capacity = bucket(max(rows, eng.capacity if same else 1))
-        eng = _ENGINES[model] = StaticEngine(model, shape, capacity, graphs=graphs)
+    return shape, cfg.cuda_graphs and p.device.type == "cuda"
+
+
+def cached_engine(model: torch.nn.Module, cfg: RolloutConfig) -> Optional["StaticEngine"]:
+    """The engine `engine_for` keeps for `model` and `cfg`, if one was built."""
+    return _ENGINES.get(model, {}).get(engine_key(model, cfg))
+
+
+def engine_for(model: torch.nn.Module, cfg: RolloutConfig, rows: int) -> "StaticEngine":
+    """The static engine of `model` (the sampler's weights) for `cfg`, with room for `rows`
+    rows: built once and kept while the model lives; rebuilt (graphs recaptured) when more rows
+    are asked for than it holds."""
+    key = engine_key(model, cfg)
+    held = _ENGINES.setdefault(model, {})
+    eng = held.get(key)
+    if eng is None or eng.capacity < rows:
+        capacity = bucket(max(rows, eng.capacity if eng is not None else 1))
+        held.pop(key, None)  # free the old buffers and graphs before allocating the new ones
+        eng = held[key] = StaticEngine(model, key[0], capacity, graphs=key[1])
     return eng
 
 
