@@ -110,6 +110,15 @@ def test_text_stop_tags_are_cut_exactly_after_overshooting(models):
     assert ended and all(t.count("</") == 1 for t in ended)  # nothing after the tag
 
 
+def test_grouped_kv_heads(tok):
+    """Query heads sharing a KV head (Qwen2.5, SmolLM2) attend without repeated keys."""
+    arch = {"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+            "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = build_random_model(arch, tok, seed=1).eval().to(DEVICE)
+    cfg = RolloutConfig(max_new_tokens=10, max_total_tokens=150, check_every=4)
+    assert_same(*both(model, tok, GROUPS, cfg))
+
+
 def test_same_seed_same_static_rollout(models):
     model, tk = models["special", False]
     cfg = RolloutConfig(max_new_tokens=8, max_total_tokens=120, engine="static")

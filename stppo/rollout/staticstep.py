@@ -94,9 +94,24 @@ class StaticForward(LeanStep):
                 layer_mask = mask.gather(2, last.view(b, 1, 1, 1).expand(b, 1, 1, mask.shape[-1]))
                 heads = (b, 1, -1, attn.head_dim)
             qs = self._rope(F.linear(x, *q).view(heads).transpose(1, 2), cos, sin)  # (B, H, w', D)
-            out, _ = self.attend(attn, qs, kv.k[i][:b], kv.v[i][:b], layer_mask,
-                                 dropout=0.0, scaling=attn.scaling)
+            if qs.shape[2] == 1:
+                out = _one_query_attention(qs, kv.k[i][:b], kv.v[i][:b], layer_mask, attn.scaling)
+            else:
+                out, _ = self.attend(attn, qs, kv.k[i][:b], kv.v[i][:b], layer_mask,
+                                     dropout=0.0, scaling=attn.scaling)
             h = h + F.linear(out.reshape(h.shape[0], -1), *o)
             x = norm2(h)
             h = h + F.linear(act(F.linear(x, *gate)) * F.linear(x, *up), *down)
         return F.linear(self.norm(h), *self.head)  # (B, V)
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """SDPA of one query position per row with grouped KV heads, without repeating the keys:
+    the G query heads that share a KV head become G query rows of it (as transformers'
+    `pack_gqa` does for a decoding step). q (B, H, 1, D); k, v (B, H_kv, L, D); mask (B, 1, 1, L)
+    bool. Returns (B, 1, H, D), laid out as the attention function returns it."""
+    b, heads, _, d = q.shape
+    packed = q.reshape(b, k.shape[1], heads // k.shape[1], d)  # (B, H_kv, G, D)
+    out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)  # (B, H_kv, G, D)
+    return out.reshape(b, heads, 1, d).transpose(1, 2)
