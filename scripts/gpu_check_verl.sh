@@ -15,15 +15,15 @@
 # transformers<5.11; this path runs with 5.17). Ray is imported by `import verl` but no cluster
 # starts here, so its wheel (76 MiB) goes stripped (scripts/strip_ray_wheel.py: 13.7 MiB). 25
 # wheels, 20.7 MiB in all (measured with ray 2.60.0). Built where there is network:
-#   D=wheels/verl-gpu; mkdir -p $D/raw
-#   grep -v -e '^#' -e antlr4 scripts/gpu_requirements_verl.txt > $D/req.txt
+#   D=wheels/verl-gpu; RAW=wheels/verl-gpu-raw; mkdir -p $D $RAW   # (wheels/ is git-ignored)
+#   grep -v -e '^#' -e antlr4 scripts/gpu_requirements_verl.txt > $RAW/req.txt
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d $D/raw -r $D/req.txt
-#   python3 -m pip wheel --no-deps -w $D/raw antlr4-python3-runtime==4.9.3   # a source release only
-#   python3 scripts/strip_ray_wheel.py $D/raw/ray-2.60.0-cp312-*.whl $D
-#   find $D/raw -name '*.whl' ! -name 'ray-*' -exec cp {} $D \;
-# On the GPU machine (repository root):
+#       -d $RAW -r $RAW/req.txt
+#   python3 -m pip wheel --no-deps -w $RAW antlr4-python3-runtime==4.9.3   # a source release only
+#   python3 scripts/strip_ray_wheel.py $RAW/ray-2.60.0-cp312-*.whl $D
+#   find $RAW -name '*.whl' ! -name 'ray-*' -exec cp {} $D \;
+# Carry wheels/verl-gpu (only; not the raw folder). On the GPU machine (repository root):
 #   python3 -m pip install --no-deps --target /tmp/site wheels/verl-gpu/*.whl
 #   PYTHONPATH=/tmp/site bash scripts/gpu_check_verl.sh
 set -euo pipefail

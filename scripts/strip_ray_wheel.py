@@ -43,15 +43,16 @@ def strip(src: Path, out_dir: Path) -> Path:
     if dst.resolve() == src.resolve():
         raise SystemExit(f"strip_ray_wheel: OUT_DIR must not hold the input wheel ({src})")
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-        record = next(i.filename for i in zin.infolist() if i.filename.endswith(".dist-info/RECORD"))
+        record = next(i for i in zin.infolist() if i.filename.endswith(".dist-info/RECORD"))
         lines = []
         for info in zin.infolist():
-            if info.filename == record or not kept(info.filename):
+            if info.filename == record.filename or not kept(info.filename):
                 continue
             data = zin.read(info)
             zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
             lines.append(_record_line(info.filename, data))
-        zout.writestr(record, "\n".join(lines + [f"{record},,"]) + "\n")
+        lines.append(f"{record.filename},,")
+        zout.writestr(record, "\n".join(lines) + "\n", compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
     return dst
 
 
