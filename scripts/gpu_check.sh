@@ -126,7 +126,8 @@ part_smollm2() {
 }
 
 part_verl() {
-    PYTHON="$PY" timeout "${PART_TIMEOUT:-600}" bash scripts/gpu_check_verl.sh >>"$1" 2>&1
+    needs verl ray tensordict || return 1
+    PYTHON="$PY" GPU_CHECK_LOG="$RUN/verl-pytest.log" timeout "${PART_TIMEOUT:-600}" bash scripts/gpu_check_verl.sh >>"$1" 2>&1
 }
 
 if [ "${PARTS[*]}" = install ]; then

@@ -1,7 +1,8 @@
-"""Rewrite a wheel in place without the files under the given folders (for a carry to a machine
-without network: `scripts/gpu_wheels.sh` drops mlflow's web UI, Ray's dashboard and bundled
-libraries that the GPU check never imports). The wheel's RECORD drops their lines too, so pip
-installs the rest as usual.
+"""Rewrite a wheel in place without the members under the given prefixes (a folder ends in '/',
+anything else names a file), for a carry to a machine without network: `scripts/gpu_wheels.sh`
+drops mlflow's web UI and Ray's cluster executables, dashboard and libraries, which the GPU check
+never loads (scripts/gpu/strip.txt). The wheel's RECORD drops their lines too, so pip installs
+the rest as usual.
 
     python scripts/strip_wheel.py WHEEL PREFIX [PREFIX ...]
 """
@@ -16,12 +17,12 @@ import zipfile
 
 def strip(wheel: str, prefixes: list[str]) -> tuple[int, int]:
     """Remove every member under `prefixes` (and its RECORD line); (bytes before, after)."""
-    prefixes = [p.rstrip("/") + "/" for p in prefixes]
-    dropped = lambda name: any(name.startswith(p) for p in prefixes)  # noqa: E731
+    prefixes = tuple(prefixes)
+    dropped = lambda name: name.startswith(prefixes)  # noqa: E731
     before = os.path.getsize(wheel)
     fd, tmp = tempfile.mkstemp(suffix=".whl", dir=os.path.dirname(os.path.abspath(wheel)))
     os.close(fd)
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
         for info in src.infolist():
             if dropped(info.filename):
                 continue
@@ -29,7 +30,7 @@ def strip(wheel: str, prefixes: list[str]) -> tuple[int, int]:
             if info.filename.endswith(".dist-info/RECORD"):
                 lines = data.decode().splitlines(keepends=True)
                 data = "".join(ln for ln in lines if not dropped(ln.split(",", 1)[0])).encode()
-            dst.writestr(info, data)
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
     os.replace(tmp, wheel)
     return before, os.path.getsize(wheel)
 

@@ -306,8 +306,6 @@ class TrainerConfig:
         _check(0.0 < self.rollback_lr_factor <= 1.0,
                f"trainer.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
         _check(self.max_rollbacks >= 0, f"trainer.max_rollbacks must be >= 0, got {self.max_rollbacks}")
-        _check(self.on_alarm != "rollback" or self.save_every > 0,
-               "trainer.on_alarm=rollback needs checkpoints to roll back to: set trainer.save_every > 0")
         batch = self.questions_per_step * self.group_size
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
         _check(self.questions_per_step >= 1 and self.group_size >= 1,
@@ -364,7 +362,10 @@ class BackendConfig:
     rollout_tp: int = 1  # tensor parallel size of the rollout engine
     gpu_memory_utilization: float = 0.5  # the rollout engine's share of GPU memory
     micro_batch_size_per_gpu: int = 8  # forward/backward micro-batch (trajectories per GPU)
-    max_prompt_length: int = 512  # tokens; the response gets trainer.rollout.max_total_tokens minus this
+    # tokens of verl's initial prompt (data.max_prompt_length); the response gets
+    # trainer.rollout.max_total_tokens minus this. None: half of that total, at most 512
+    # (stppo.integrations.verl.overrides.verl_lengths)
+    max_prompt_length: Optional[int] = None
     data_dir: Optional[str] = None  # converted parquet files; None: the stppo cache
     poll_s: float = 10.0  # how often the run's metrics are read while verl trains
     stop_grace_s: float = 60.0  # SIGTERM → SIGKILL delay when verl is stopped
@@ -380,7 +381,8 @@ class BackendConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.micro_batch_size_per_gpu >= 1, "backend.micro_batch_size_per_gpu must be >= 1")
-        _check(self.max_prompt_length >= 16, f"backend.max_prompt_length must be >= 16, got {self.max_prompt_length}")
+        _check(self.max_prompt_length is None or self.max_prompt_length >= 16,
+               f"backend.max_prompt_length must be null or >= 16, got {self.max_prompt_length}")
         _check(self.poll_s > 0 and self.stop_grace_s >= 0, "backend.poll_s must be > 0 and backend.stop_grace_s >= 0")
         _check(all(isinstance(o, str) and "=" in o for o in self.overrides),
                f"backend.overrides must be verl overrides KEY=VALUE, got {list(self.overrides)}")
@@ -399,6 +401,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_baselines(self)
+        _check_on_alarm(self)
 
 
 def _check_baselines(cfg: "Config") -> None:
@@ -410,6 +413,18 @@ def _check_baselines(cfg: "Config") -> None:
         _check(a.overlong.buffer_len <= t.rollout.max_total_tokens,
                f"algo.overlong.buffer_len={a.overlong.buffer_len} must be <= "
                f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens}")
+
+
+def _check_on_alarm(cfg: "Config") -> None:
+    """trainer.on_alarm=rollback: the own trainer only (verl cannot reload a checkpoint mid-run),
+    with checkpoints to roll back to."""
+    if not isinstance(cfg.trainer, TrainerConfig) or cfg.trainer.on_alarm != "rollback":
+        return
+    _check(not isinstance(cfg.backend, BackendConfig) or cfg.backend.name != "verl",
+           "trainer.on_alarm=rollback: verl has no rollback (it cannot reload a checkpoint mid-run); with "
+           "backend=verl use trainer.on_alarm=stop (stop verl at the first alarm) or none")
+    _check(cfg.trainer.save_every > 0,
+           "trainer.on_alarm=rollback needs checkpoints to roll back to: set trainer.save_every > 0")
 
 
 def register_configs() -> None:

@@ -28,7 +28,7 @@ def _wheel(path: Path) -> None:
 def test_strip_wheel_drops_folders_and_their_record_lines(tmp_path):
     whl = tmp_path / "pkg-1.0-py3-none-any.whl"
     _wheel(whl)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "strip_wheel.py"), str(whl), "pkg/ui"],
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "strip_wheel.py"), str(whl), "pkg/ui/"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.startswith("strip_wheel: pkg-1.0-py3-none-any.whl:")
     with zipfile.ZipFile(whl) as z:

@@ -159,3 +159,27 @@ def test_packages_import_neither_torch_nor_verl():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"  # the losses are torch + stppo.algos only
+
+
+# --- the monitor's copies of the loss's metrics ----------------------------------------------------
+def test_loss_copies_take_every_key_outside_actor_back_to_its_name():
+    from stppo import tracking as K
+    from stppo.integrations.verl.metrics import LOSS_COPIES, as_logged, copy_values
+
+    assert as_logged(K.CLIP_BIAS_NORM) == "actor/clip_bias/norm" and as_logged(K.PG_LOSS) == K.PG_LOSS
+    targets = {c.stppo for c in LOSS_COPIES}
+    assert targets == {k for k in K.ALL_METRICS if not k.startswith("actor/")}
+    logged = {"actor/clip_bias/norm": 0.7, "actor/clip_bias/scale": 0.5, "actor/pg_loss": 0.1}
+    assert copy_values(LOSS_COPIES, logged) == {K.CLIP_BIAS_NORM: 0.7, K.CLIP_BIAS_SCALE: 0.5}
+
+
+def test_turn_copies_divide_by_the_turns_weight_and_skip_turns_without_tokens():
+    from stppo import tracking as K
+    from stppo.integrations.verl.metrics import copy_values, turn_copies
+
+    logged = {"actor/turn/k0/tokens": 4.0, "actor/turn/k0/pg_clipfrac": 1.0, "actor/turn/k0/ratio_max": 5.0,
+              "actor/turn/k1/tokens": 0.0, "actor/turn/k1/pg_clipfrac": 0.0}
+    got = copy_values(turn_copies(2), logged)
+    assert got == {K.turn_key(0, "tokens"): 4.0, K.turn_key(0, "pg_clipfrac"): 0.25,
+                   K.turn_key(0, "ratio_max"): 1.25, K.turn_key(1, "tokens"): 0.0}
+    assert not any(c.stppo.endswith("/entropy") for c in turn_copies(3))  # verl gives a loss no entropy

@@ -72,7 +72,8 @@ def run_of(client, seed: int):
 @pytest.fixture(scope="module")
 def study(tmp_path_factory, verl_python):
     """One store: a verl run that trains to the end (seed 0), one that collapses and is stopped
-    (seed 1, a sweep trial), and own-backend runs of the same experiment (analysis.synthetic)."""
+    (seed 1, a sweep trial), one whose clipping bias grows until an alarm stops it (seed 4,
+    trainer.on_alarm=stop), and own-backend runs of the same experiment (analysis.synthetic)."""
     from analysis.synthetic import write_demo_study
 
     tmp = tmp_path_factory.mktemp("verl_study")
@@ -83,6 +84,7 @@ def study(tmp_path_factory, verl_python):
         bad = make_cfg(tmp, "seed=1", "trainer.stop_on_collapse=true", "trainer.collapse.patience=2",
                        "+tracking.tags.study=clip_range-st_ppo", "+tracking.tags.trial=3")
         launch(mp, bad, "collapse")
+        launch(mp, make_cfg(tmp, "seed=4", "trainer.on_alarm=stop"), "alarm")
     finally:
         mp.undo()
     uri = f"sqlite:///{tmp}/mlflow.db"
@@ -112,6 +114,54 @@ def test_a_verl_run_carries_stppos_tags_params_and_metric_names(study):
     assert {"config.yaml", "verl_command.sh"} <= artifacts
 
 
+def test_stppos_loss_metrics_arrive_under_stppos_names(study):
+    """The stand-in logs what verl's trainer logs for the actor update with stppo_st_ppo
+    (`actor/clip_bias/norm`, `actor/turn/k0/pg_clipfrac`, ...): each is in the run under
+    stppo's name too, the per-turn values divided by their turn's token weight."""
+    client = study["client"]
+    run = run_of(client, 0)
+    rid, logged = run.info.run_id, set(run.data.metrics)
+    norm = history(client, rid, "actor/clip_bias/norm")
+    assert sorted(norm) == list(range(1, 7)) and history(client, rid, K.CLIP_BIAS_NORM) == norm
+    weight = history(client, rid, "actor/turn/k0/tokens")
+    clip = history(client, rid, "actor/turn/k0/pg_clipfrac")
+    assert history(client, rid, K.turn_key(0, "tokens")) == weight and set(weight.values()) == {4.0}
+    got = history(client, rid, K.turn_key(0, "pg_clipfrac"))
+    assert got == pytest.approx({s: clip[s] / weight[s] for s in weight}) and 0 < got[1] <= 1
+    prefixed = {k[len("actor/"):] for k in logged if k.startswith("actor/") and "/" in k[len("actor/"):]}
+    assert {"clip_bias/norm", "clip_bias/scale", "turn/k2/ratio_max", "turn/k3/tokens"} <= prefixed
+    assert all(K.known_metric(k) for k in prefixed)
+    missing = {k for k in prefixed if k not in logged}  # turn k3: no token in the batch, no value
+    assert missing == {K.turn_key(3, n) for n in ("pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean", "ppo_kl")}
+    assert run.data.metrics["actor/turn/k3/tokens"] == 0.0 and K.turn_key(0, "entropy") not in logged
+    assert not any(k.startswith(K.ALARM_PREFIX) for k in logged)
+
+
+def test_an_alarm_stops_verl_with_on_alarm_stop(study):
+    client = study["client"]
+    run = run_of(client, 4)
+    rid = run.info.run_id
+    assert history(client, rid, K.alarm_key("clip_bias_growth")) == {9: 1.0}  # 5 baseline values, 2 beyond
+    stopped = run.data.tags[K.TAG_STOPPED]  # the clipped fraction grows with the spread too
+    assert stopped.startswith("alarm clip_bias_growth") and stopped.endswith(" at step 9")
+    assert run.info.status == "FINISHED" and max(history(client, rid, K.SUCCESS_RATE)) < 100
+    assert set(history(client, rid, K.COLLAPSE_DETECTED).values()) == {0.0}
+
+
+def test_analysis_report_fits_the_growth_of_verl_runs(study, tmp_path):
+    import pandas as pd
+
+    from analysis.report import main
+
+    out = tmp_path / "report"
+    assert main(["--experiment", EXPERIMENT, "--out", str(out), "--tracking-uri", study["uri"], "--no-cache",
+                 "--bootstrap", "200"]) == 0
+    growth = pd.read_csv(out / "growth.csv").set_index("run_id")
+    ok, alarmed = run_of(study["client"], 0).info.run_id, run_of(study["client"], 4).info.run_id
+    assert growth.loc[ok, "points"] == 6 and growth.loc[ok, "growth_rate"] == pytest.approx(0.0, abs=1e-9)
+    assert growth.loc[alarmed, "growth_rate"] > 0.3  # the spread × 1.5 per step
+
+
 def test_a_collapse_stops_verl_and_is_recorded_as_by_the_own_trainer(study):
     from sweeps.study import outcome
 
@@ -124,6 +174,7 @@ def test_a_collapse_stops_verl_and_is_recorded_as_by_the_own_trainer(study):
     assert expected == 6 and run.data.metrics[K.COLLAPSE_DETECTED] == 1.0
     assert history(client, rid, K.COLLAPSE_STEP) == {7: 6.0}  # logged once, when detected
     assert run.info.status == "FINISHED" and steps[-1] < 100  # stopped long before its 1000 steps
+    assert run.data.tags[K.TAG_STOPPED].startswith("collapse at step 6")
     trial = outcome(0.05, None, cfg.tracking, "clip_range-st_ppo", 3)  # what the Optuna sweeper reads
     assert trial.state.name == "PRUNED" and trial.collapse_step == 6 and trial.run_id == rid
 
@@ -133,7 +184,7 @@ def test_analysis_and_dashboard_read_verl_runs_next_to_own_runs(study, monkeypat
     from analysis.load import load_study
 
     s = load_study(EXPERIMENT, study["uri"], use_cache=False)
-    assert len(s.runs) == 4 and sorted(s.runs["algo"]) == ["ppo", "ppo", "st_ppo", "st_ppo"]
+    assert len(s.runs) == 5 and sorted(s.runs["algo"]) == ["ppo", "ppo", "st_ppo", "st_ppo", "st_ppo"]
     table = collapse_table(s).set_index("run_id")
     ok, bad = run_of(study["client"], 0).info.run_id, run_of(study["client"], 1).info.run_id
     assert not table.loc[ok, "collapsed"] and table.loc[bad, "collapse_step"] == 6
@@ -147,7 +198,7 @@ def test_analysis_and_dashboard_read_verl_runs_next_to_own_runs(study, monkeypat
     at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120).run()
     assert not at.exception, [e.value for e in at.exception]
     runs = at.dataframe[0].value
-    assert sorted(runs["algo"]) == ["ppo", "ppo", "st_ppo", "st_ppo"]
+    assert sorted(runs["algo"]) == ["ppo", "ppo", "st_ppo", "st_ppo", "st_ppo"]
     assert runs.set_index("seed").query("algo == 'st_ppo'").loc["1", "collapsed"]
 
 
@@ -333,9 +384,3 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
 def test_invalid_backend_settings_name_the_field(override, field):
     with pytest.raises(Exception, match=field.replace(".", r"\.")):
         to_config(compose(["backend=verl", override]))
-
-
-def test_the_metric_mapping_in_docs_is_the_codes_table():
-    from stppo.integrations.verl.metrics import table_markdown
-
-    assert table_markdown() in (ROOT / "docs" / "design.md").read_text()

@@ -208,7 +208,7 @@ class Trainer:
             if self.stop_reason is not None:
                 if self.val_history[-1][0] != self.step:
                     self._validate(self.step)
-                self.tracker.set_tags({"stopped": self.stop_reason})
+                self.tracker.set_tags({K.TAG_STOPPED: self.stop_reason})
                 break
         bar.close()
         return self.objective()

@@ -38,3 +38,22 @@ def make_local_model(path: Path) -> Path:
                 num_attention_heads=2, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id).save_pretrained(path)
     return path
+
+
+def make_random_model(path: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """`make_local_model`'s tokenizer with a random-init Qwen2 of `hidden` × `layers` and its weights
+    (safetensors), for verl's FSDP engine to load: the actor-update tests."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (path / "model.safetensors").is_file():
+        return path
+    make_local_model(path)
+    tok = Qwen2Config.from_pretrained(path)  # the 1-layer config: its vocabulary and special ids
+    cfg = Qwen2Config(architectures=["Qwen2ForCausalLM"], vocab_size=tok.vocab_size, hidden_size=hidden,
+                      intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path

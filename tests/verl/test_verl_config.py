@@ -74,6 +74,7 @@ def test_without_the_target_verl_rejects_stppo_knobs_and_the_preset_defaults_app
     ((f"+{PL}.granularity=turn",), "correction.granularity='turn' is not valid"),
     ((f"{PL}.loss_mode=vanilla", f"+{PL}.tau=0.3"), "act on the stppo_\\* loss modes only"),
     ((f"{PL}.loss_mode=stppo_nope",), "'stppo_nope' is not an stppo loss; allowed: stppo_ppo"),
+    ((f"+{PL}.max_turns=-1",), "actor.policy_loss.max_turns must be an integer >= 0, got -1"),
 ])
 def test_invalid_knobs_fail_at_config_time_with_one_line(overrides, message):
     with pytest.raises(InstantiationException, match=message):

@@ -68,6 +68,7 @@ def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, mode
     loss = b["actor"].policy_loss
     assert type(loss).__name__ == "StppoPolicyLossConfig" and loss.loss_mode == f"stppo_{preset}"
     assert (loss.tau, loss.estimator, loss.granularity) == (cfg.algo.correction.tau, "token", "batch")
+    assert loss.max_turns == cfg.task.max_turns == 4  # the per-turn metrics' K
     assert b["algorithm"].adv_estimator == O.ADV_ESTIMATORS[p.advantage]
     assert (b["critic"] is not None) == p.uses_critic
     a = b["actor"]
@@ -97,6 +98,27 @@ def test_paper_search_composes_with_each_qwen_size(size, model_dir):
     assert c.data.max_prompt_length + c.data.max_response_length == 4096
     assert b["rollout"].dtype == "bfloat16" and c.actor_rollout_ref.model.enable_gradient_checkpointing
     assert c.trainer.total_training_steps == 1005 and c.trainer.test_freq == 100
+
+
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_shipped_experiment_composes_valid_verl_settings(experiment, model_dir):
+    """backend=verl with each shipped experiment (a pretrained model where the experiment's is a
+    CPU one): verl composes the overrides, builds its config classes and passes validate_config;
+    the prompt and response lengths split the experiment's context."""
+    cfg, c, b = translate(["backend=verl", f"+experiment={experiment}", f"model.path={model_dir}"], model_dir)
+    assert not cfg.trainer.warmstart.enabled and cfg.task.prompt_style == "search_r1"  # the backend's
+    assert c.data.max_prompt_length + c.data.max_response_length == cfg.trainer.rollout.max_total_tokens
+    assert c.data.max_prompt_length == min(512, cfg.trainer.rollout.max_total_tokens // 2)
+    assert b["actor"].policy_loss.max_turns == cfg.task.max_turns
+
+
+def test_per_turn_metrics_off_reach_the_loss_as_zero_turns(model_dir):
+    cfg, c, b = translate([*SMALL, "algo=st_ppo", "diagnostics.per_turn=false", f"model.path={model_dir}"],
+                          model_dir)
+    assert b["actor"].policy_loss.max_turns == 0
 
 
 def test_a_group_preset_takes_its_group_size(model_dir):

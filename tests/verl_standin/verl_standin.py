@@ -2,13 +2,19 @@
 
 It takes the launcher's real command line (the verl overrides), reads the real converted
 parquet for the data source, and logs verl-named metrics through verl's own `Tracking` class
-(mlflow backend, attached to MLFLOW_RUN_ID) — the same code path as verl's trainer — then ends
-as STANDIN_MODE says:
+(mlflow backend, attached to MLFLOW_RUN_ID) — the same code path as verl's trainer. The actor
+update's metrics are those of stppo's policy loss as verl's trainer logs them: the loss the
+overrides name (`policy_loss.loss_mode`, `max_turns`), looked up in verl's registry, on a
+multi-turn batch whose log π − log π_old has the step's spread, through verl's `Metric` /
+`reduce_metrics` and `rename_dict(…, "actor/")` (so `clip_bias/norm` arrives as
+`actor/clip_bias/norm`). It then ends as STANDIN_MODE says:
   ok        log every step, exit 0 (verl's Tracking.finish ends the MLflow run, as verl's does)
   fail      log 2 steps, print a traceback-like tail on stderr, exit 3
   hang      log 2 steps, then wait to be killed (SIGTERM / SIGKILL)
   collapse  success 0.6, then 0.05 from step 4 on, for up to 1000 steps (the launcher stops it)
   nonfinite actor/grad_norm = NaN from step 2 on, for up to 1000 steps
+  alarm     the spread grows ×1.5 per step from step 7 (clip_bias/norm grows exponentially: the
+            clip_bias_growth alarm fires at step 9), for up to 1000 steps
 STANDIN_STEP_S: seconds between steps (default 0.05); STANDIN_PID_FILE: write the pid there.
 """
 
@@ -23,14 +29,50 @@ import time
 def success(mode: str, step: int) -> float:
     if mode in ("collapse",):
         return 0.6 if step < 4 else 0.05
+    if mode == "alarm":
+        return 0.6
     return min(0.9, 0.2 + 0.05 * step)
+
+
+def actor_metrics(ov: dict, mode: str, step: int) -> dict[str, float]:
+    """What verl's trainer logs for the actor update of one step with the overrides' loss."""
+    import torch
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.utils.metric import AggregationType, Metric, reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    actor, pl = "actor_rollout_ref.actor", "actor_rollout_ref.actor.policy_loss"
+    config = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=float(ov[f"{actor}.clip_ratio_low"]),
+                             clip_ratio_high=float(ov[f"{actor}.clip_ratio_high"]),
+                             clip_ratio_c=float(ov[f"{actor}.clip_ratio_c"]), global_batch_info={},
+                             policy_loss=SimpleNamespace(loss_mode=ov[f"{pl}.loss_mode"],
+                                                         max_turns=int(ov[f"{pl}.max_turns"])))
+    gen = torch.Generator().manual_seed(0)  # one batch; only the spread changes with the step
+    row = [1] * 4 + [0] * 3 + [1] * 4 + [0] * 2 + [1] * 3  # 3 turns between observation tokens
+    mask = torch.tensor([row] * 16, dtype=torch.bool)  # (N, T)
+    old = -torch.rand(16, 16, generator=gen) * 2
+    spread = 0.6 * (1.5 ** max(0, step - 6) if mode == "alarm" else 1.0)
+    log_prob = old + spread * torch.randn(16, 16, generator=gen)
+    loss, pg = get_policy_loss_fn(config.policy_loss.loss_mode)(
+        old_log_prob=old, log_prob=log_prob, advantages=torch.randn(16, 16, generator=gen), response_mask=mask,
+        loss_agg_mode=ov[f"{actor}.loss_agg_mode"], config=config, rollout_is_weights=None)
+    metrics = Metric.from_dict(pg, aggregation=AggregationType.MEAN)  # verl's ppo_loss
+    metrics["actor/pg_loss"] = Metric(value=float(loss), aggregation=AggregationType.SUM)
+    out = {k: v.aggregate() for k, v in metrics.items()}
+    out.update({"loss": float(loss), "lr": 1e-6, "mfu": 0.1,
+                "grad_norm": math.nan if mode == "nonfinite" and step >= 2 else 1.5})
+    out = rename_dict(out, "actor/")  # RayPPOTrainer._update_actor
+    out["perf/mfu/actor"] = out.pop("actor/mfu")
+    return reduce_metrics({k: [v] for k, v in out.items()})
 
 
 def main(argv: list[str]) -> int:
     import pyarrow.parquet as pq
     from verl.utils.tracking import Tracking
 
-    ov = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a)
+    ov = {k: v.strip("'") for k, v in (a.lstrip("+").split("=", 1) for a in argv if "=" in a)}
     mode = os.environ.get("STANDIN_MODE", "ok")
     if os.environ.get("STANDIN_PID_FILE"):
         with open(os.environ["STANDIN_PID_FILE"], "w") as f:
@@ -38,7 +80,7 @@ def main(argv: list[str]) -> int:
     pause = float(os.environ.get("STANDIN_STEP_S", "0.05"))
     steps = int(ov["trainer.total_training_steps"]) if mode in ("ok", "fail", "hang") else 1000
     test_freq = int(ov["trainer.test_freq"])
-    source = pq.read_table(ov["data.val_files"].strip("'"), columns=["data_source"]).column(0)[0].as_py()
+    source = pq.read_table(ov["data.val_files"], columns=["data_source"]).column(0)[0].as_py()
     tracking = Tracking(ov["trainer.project_name"], ov["trainer.experiment_name"],
                         default_backend=["console", "mlflow"],
                         config={"trainer": {"project_name": ov["trainer.project_name"]},
@@ -49,8 +91,7 @@ def main(argv: list[str]) -> int:
             break
         s = success(mode, step)
         metrics = {"critic/score/mean": s, "critic/rewards/mean": s - 0.01, "num_turns/mean": 4.0 + step % 2,
-                   "actor/pg_loss": 0.1, "actor/grad_norm": math.nan if mode == "nonfinite" and step >= 2 else 1.5,
-                   "actor/pg_clipfrac": 0.05, "response_length/mean": 120.0, "timing_s/step": pause,
+                   **actor_metrics(ov, mode, step), "response_length/mean": 120.0, "timing_s/step": pause,
                    "timing_s/gen": pause / 2, "critic/advantages/mean": 0.0}
         if step % test_freq == 0 or step == steps:
             metrics[f"val-core/{source}/acc/mean@1"] = s

@@ -4,7 +4,7 @@ verl's `PolicyLossConfig` is a closed dataclass (`+…policy_loss.tau=…` fails
 Name this subclass instead, with the knobs as new keys (PL = actor_rollout_ref.actor.policy_loss):
 
     PL._target_=stppo.integrations.verl.config.StppoPolicyLossConfig
-    PL.loss_mode=stppo_st_ppo  +PL.tau=0.5  +PL.granularity=sequence
+    PL.loss_mode=stppo_st_ppo  +PL.tau=0.5  +PL.granularity=sequence  +PL.max_turns=4
 
 Only what verl has no field for lives here: clip ranges stay verl's `actor.clip_ratio_low/high`,
 the dual clip its `actor.clip_ratio_c`, the aggregation its `actor.loss_agg_mode`. Importing this
@@ -22,7 +22,7 @@ from verl.workers.config import PolicyLossConfig
 from stppo.integrations.verl import plugin  # noqa: F401 — first: registers, or warns and raises
 from stppo.algos import PRESETS, resolve_options  # noqa: E402
 from stppo.integrations.verl import LOSS_PREFIX, POLICY_LOSS_TARGET  # noqa: E402
-from stppo.integrations.verl.losses import GRAD_ESTIMATOR_ERROR  # noqa: E402
+from stppo.integrations.verl.losses import DEFAULT_MAX_TURNS, GRAD_ESTIMATOR_ERROR  # noqa: E402
 
 TARGET = POLICY_LOSS_TARGET  # this class's dotted name (checked in tests/verl)
 
@@ -35,14 +35,19 @@ class StppoPolicyLossConfig(PolicyLossConfig):
     estimator: 'token' only — 'grad' needs the policy parameters, which verl's loss never sees.
     granularity: 'batch' (one λ per micro-batch under verl) or 'sequence' (λ_i per trajectory).
     options: the loss mode's options (e.g. sapo's tau_pos / tau_neg) over the preset's.
+    max_turns: K of the per-turn metrics `turn/k{k}/*`, k < K (the launcher: task.max_turns, 0
+        with diagnostics.per_turn=false); a diagnostic, so any loss mode accepts it.
     """
 
     tau: Optional[float] = None
     estimator: str = "token"
     granularity: str = "batch"
     options: dict = field(default_factory=dict)
+    max_turns: int = DEFAULT_MAX_TURNS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_turns, int) or self.max_turns < 0:
+            raise ValueError(f"actor.policy_loss.max_turns must be an integer >= 0, got {self.max_turns!r}")
         if self.estimator == "grad":
             raise ValueError(f"actor.policy_loss.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
         if not self.loss_mode.startswith(LOSS_PREFIX):

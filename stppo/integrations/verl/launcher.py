@@ -5,8 +5,9 @@
     → `backend.python -m verl.trainer.main_ppo OVERRIDES…` with MLFLOW_TRACKING_URI and
       MLFLOW_RUN_ID (also in Ray's runtime_env), so verl's own MLflow logger writes into the run
     → every backend.poll_s: the run monitor copies verl's metrics under stppo's names and applies
-      the collapse rule; with trainer.stop_on_collapse it stops verl (its process group)
-    → close the run: FINISHED (verl exited 0, or was stopped on collapse), FAILED with the end of
+      the collapse rule and the online alarms; with trainer.stop_on_collapse (a collapse) or
+      trainer.on_alarm=stop (an alarm) it stops verl (its process group), tag `stopped` = why
+    → close the run: FINISHED (verl exited 0, or was stopped), FAILED with the end of
       verl's stderr, KILLED on SIGTERM/SIGHUP/Ctrl-C (verl is stopped first); returns the
       objective (mean late val/success_rate, as the own trainer).
 
@@ -39,7 +40,7 @@ from stppo.config import Config, to_config
 from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
 from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
-                                               model_source, verl_overrides)
+                                               model_source, per_turn_count, verl_overrides)
 from stppo.tracker import Tracker, absolute_uri, flatten, resolve_uri
 from stppo.tracking_io import call
 
@@ -186,8 +187,10 @@ def check_server(url: str, timeout_s: float) -> None:
 # -- the subprocess --------------------------------------------------------------------------------
 def supervise(cfg: Config, plan: Plan, tracker: Tracker) -> float:
     """Run verl, follow the run, close it (see the module docstring); returns the objective."""
-    monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=cfg.trainer.total_steps,
-                         collapse=cfg.trainer.collapse, stop_on_collapse=cfg.trainer.stop_on_collapse)
+    t = cfg.trainer
+    monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=t.total_steps,
+                         collapse=t.collapse, stop_on_collapse=t.stop_on_collapse, alarm=t.alarm,
+                         on_alarm=t.on_alarm, max_turns=per_turn_count(cfg))
     env = {**os.environ, **plan.env, "PYTHONPATH": _pythonpath()}
     old = _install_handlers()
     proc, tail = None, collections.deque(maxlen=STDERR_TAIL)
@@ -215,7 +218,7 @@ def supervise(cfg: Config, plan: Plan, tracker: Tracker) -> float:
 
 
 def _follow(proc: subprocess.Popen, monitor: RunMonitor, b) -> bool:
-    """Poll the run until verl exits; True when it was stopped on collapse."""
+    """Poll the run until verl exits; True when it was stopped (a collapse or an alarm)."""
     while True:
         try:
             proc.wait(timeout=b.poll_s)
@@ -223,9 +226,10 @@ def _follow(proc: subprocess.Popen, monitor: RunMonitor, b) -> bool:
         except subprocess.TimeoutExpired:
             pass
         _poll(monitor)
-        if monitor.should_stop:
-            log.warning("stppo: stopping verl: collapse at step %s (%s)", monitor.detector.collapse_step,
-                        monitor.detector.reason)
+        reason = monitor.stop_reason
+        if reason is not None:
+            log.warning("stppo: stopping verl: %s", reason)
+            monitor.tracker.set_tags({K.TAG_STOPPED: reason})
             stop(proc, b.stop_grace_s)
             return True
 

@@ -19,7 +19,9 @@ mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
 - aggregation: verl's `loss_agg_mode` (same names as stppo's `loss_agg`) with the global
   denominators of `verl_global_denoms`, so the micro-batch losses sum like verl's own;
 - correction knobs τ, estimator, granularity: `config.policy_loss.{tau,estimator,granularity}`
-  when the policy-loss config is `StppoPolicyLossConfig` (`config.py`), else the preset's.
+  when the policy-loss config is `StppoPolicyLossConfig` (`config.py`), else the preset's;
+- per-turn metrics for turns 0..K−1, K = `config.policy_loss.max_turns` (`DEFAULT_MAX_TURNS`
+  without it; 0 = none), in the token-weighted form of `verl_turn_metrics`.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ import torch
 
 from stppo.algos import LOSS_MODES, Preset, policy_loss
 from stppo.algos.aggregation import agg_denoms
+from stppo.algos.breakdown import turn_breakdown
 from stppo.algos.presets import POLICY_LOSS_KEYWORDS
 from stppo.algos.ratios import importance_ratio
 from stppo.algos.segments import turn_ids_from_mask
+from stppo.algos.surrogate import clipped_surrogate
 from stppo.integrations.verl import loss_mode
-from stppo.tracking import PG_CLIPFRAC_LOWER
+from stppo.integrations.verl.metrics import TURN_WEIGHT, TURN_WEIGHTED
+from stppo.tracking import PG_CLIPFRAC_LOWER, turn_key
 
 # verl's loss_agg_mode → stppo's loss_agg. verl's `token-sum` and `seq-mean-token-sum-norm` have
 # no stppo counterpart (the correction's τ is defined on stppo's three forms): rejected.
 VERL_LOSS_AGGS = {m: m for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}
+DEFAULT_MAX_TURNS = 4  # per-turn metrics without StppoPolicyLossConfig.max_turns (task.max_turns' default)
 GRAD_ESTIMATOR_ERROR = (
     "correction estimator 'grad' needs the policy parameters, which verl does not pass to a "
     "policy loss; use estimator=token with the verl backend")
@@ -105,6 +111,11 @@ def _knobs(config: Any) -> tuple[Optional[float], str, str, dict]:
             getattr(pl, "granularity", "batch"), dict(getattr(pl, "options", None) or {}))
 
 
+def _max_turns(config: Any) -> int:
+    """K of the per-turn metrics: `config.policy_loss.max_turns`, else DEFAULT_MAX_TURNS."""
+    return int(getattr(getattr(config, "policy_loss", None), "max_turns", DEFAULT_MAX_TURNS))
+
+
 def _clip_ranges(config: Any) -> tuple[float, float, float]:
     """(ε_low, ε_high, c) as verl's `compute_policy_loss_vanilla` reads them."""
     clip = getattr(config, "clip_ratio", 0.2)
@@ -132,6 +143,41 @@ def verl_call_kwargs(preset: Preset, loss_agg_mode: str, config: Any,
         loss_agg=loss_agg, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
         correction=preset.correction_spec(tau, estimator, granularity),
         global_denoms=verl_global_denoms(loss_mask, loss_agg, **dict(info)), **extra)
+
+
+@torch.no_grad()
+def verl_turn_metrics(ratio: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor,
+                      kwargs: dict[str, Any], max_turns: int) -> dict[str, torch.Tensor]:
+    """stppo's per-turn breakdown (`stppo.algos.breakdown.turn_breakdown`) of one micro-batch in
+    the form verl can average: every key for every turn k < K, each value weighted by its turn's
+    agent tokens per row,
+
+        turn/k{k}/tokens = c_k / n,      turn/k{k}/{name} = v_k · c_k / n      (0 where c_k = 0)
+
+    with c_k the micro-batch's agent tokens of turn k, n its rows and v_k the turn's value (κ, ρ
+    at the preset's ratio level, A, −δ; ρ's max). Why: verl averages a loss metric over
+    micro-batches, ranks and mini-batches, and `Metric.aggregate_dp` fails when ranks return a key
+    a different number of times — a key present only where the turn has tokens would stop a
+    data-parallel update. The ratio of the two averages is the turn's token mean over the
+    mini-batch (micro-batches of equal rows); the run monitor divides (`metrics.turn_copies`).
+    `turn/k{k}/entropy` is left out: verl passes a policy loss no entropy. Tensors (N, T)."""
+    if max_turns < 1:
+        return {}
+    zero = ratio.new_zeros(())
+    adv = torch.where(mask, advantages, 0.0)  # (N, T) finite, as the surrogate needs
+    clipped = clipped_surrogate(ratio, adv, kwargs["clip_low"], kwargs["clip_high"],
+                                kwargs["dual_clip"]).clipped  # (N, T) κ at the preset's level
+    per = turn_breakdown(ratio, log_prob, old_log_prob, adv, torch.zeros_like(ratio), clipped,
+                         mask, turn_ids, max_turns)
+    out: dict[str, torch.Tensor] = {}
+    for k in range(max_turns):
+        w = per.get(turn_key(k, TURN_WEIGHT), zero)
+        out[turn_key(k, TURN_WEIGHT)] = w
+        for name in TURN_WEIGHTED:
+            v = per.get(turn_key(k, name))
+            out[turn_key(k, name)] = v * w if v is not None else zero
+    return out
 
 
 def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -166,6 +212,8 @@ def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str
             metrics[PG_CLIPFRAC_LOWER] = (
                 dual_clip_fraction(ratio, advantages, mask, kwargs["dual_clip"])
                 if kwargs["dual_clip"] is not None else ratio.new_zeros(()))
+            metrics.update(verl_turn_metrics(ratio, log_prob, old_log_prob, advantages, mask,
+                                             turn_ids, kwargs, _max_turns(config)))
         return loss, metrics_to_floats(metrics)
 
     loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(preset.name)

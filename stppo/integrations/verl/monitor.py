@@ -1,14 +1,23 @@
 """While verl trains: read the run's verl-named metrics, write stppo-named copies, apply the
-collapse rule, and compute the sweep objective — so that a verl run reads like an own run.
+collapse rule and the online alarms, and compute the sweep objective — so that a verl run reads
+like an own run.
 
 `RunMonitor.poll()` is called every `backend.poll_s` seconds (and once after verl exits). Each
-call reads the metric histories of the mapped keys (`metrics.py`) and handles every new training
-step in step order: the copies of `TRAIN_COPIES`, `actor/skipped_steps` (1.0 when verl's grad
-norm or loss is non-finite), then `CollapseDetector.update(step, success, non-finite)` — the one
-collapse rule of `stppo.diagnostics` — and `collapse/detected` (every step) / `collapse/step`
-(once), as the own trainer logs them. New validation points are copied to `val/success_rate`.
-Copies go through stppo's `Tracker` (retries, buffering while the store is away).
-Verl-free and torch-free.
+call lists the run's metric keys, reads the histories of the mapped ones present (`metrics.py`)
+and handles every new training step in step order, as the own trainer logs a step:
+
+    copies (TRAIN_COPIES, LOSS_COPIES, turn_copies(K))   stppo's names of verl's values
+    actor/skipped_steps                                  1.0 when verl's grad norm or loss is non-finite
+    CollapseDetector.update(step, success, non-finite)   the one collapse rule (stppo.diagnostics);
+                                                         collapse/detected every step, collapse/step once
+    AlarmSet.update(step, view)                          the online alarms (stppo.alarms) on the
+                                                         step's stppo-named values; alarm/<name> = 1.0
+                                                         at the step one fires
+
+New validation points are copied to `val/success_rate`. `should_stop` / `stop_reason` tell the
+launcher to stop verl: a collapse with `stop_on_collapse` (a non-finite collapse always), an alarm
+with `on_alarm='stop'`. Copies go through stppo's `Tracker` (retries, buffering while the store is
+away). Verl-free and torch-free.
 """
 
 from __future__ import annotations
@@ -18,12 +27,16 @@ import math
 from typing import Mapping
 
 from stppo import tracking as K
+from stppo.alarms import INDICATORS, AlarmConfig, AlarmSet
 from stppo.diagnostics import CollapseConfig, CollapseDetector
-from stppo.integrations.verl.metrics import NONFINITE_KEYS, STEP_KEY, TRAIN_COPIES, val_key
+from stppo.integrations.verl.metrics import (LOSS_COPIES, NONFINITE_KEYS, SAME_NAME, STEP_KEY, TRAIN_COPIES,
+                                             copy_values, turn_copies, val_key)
 from stppo.tracker import Tracker
 from stppo.tracking_io import call
 
 log = logging.getLogger(__name__)
+# What the alarms may read under the same name in both (actor/grad_norm, response_length/mean, …).
+ALARM_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for ind in INDICATORS.values() for k in ind.keys))
 
 
 def late_mean(val_history: list[tuple[int, float]], step: int, total_steps: int) -> float:
@@ -41,32 +54,50 @@ class RunMonitor:
     """Follows one MLflow run that verl writes into (see the module docstring)."""
 
     def __init__(self, tracker: Tracker, *, data_source: str, total_steps: int,
-                 collapse: CollapseConfig | None = None, stop_on_collapse: bool = False) -> None:
+                 collapse: CollapseConfig | None = None, stop_on_collapse: bool = False,
+                 alarm: AlarmConfig | None = None, on_alarm: str = "none", max_turns: int = 0) -> None:
+        if on_alarm not in ("none", "stop"):
+            raise ValueError(f"trainer.on_alarm={on_alarm!r}: with backend=verl use none or stop "
+                             "(verl has no rollback)")
         self.tracker = tracker
         self.val_key = val_key(data_source)
         self.total_steps = total_steps
         self.stop_on_collapse = stop_on_collapse
+        self.on_alarm = on_alarm
         self.detector = CollapseDetector(collapse)
+        self.alarms = AlarmSet(alarm)
+        self.alarm_stop: str | None = None  # 'alarm NAME at step S' once on_alarm=stop fires
         self.step = 0  # last training step handled
         self.val_history: list[tuple[int, float]] = []
-        self._keys = tuple(dict.fromkeys([STEP_KEY, *(c.verl for c in TRAIN_COPIES), *NONFINITE_KEYS]))
+        self.copies = (*TRAIN_COPIES, *LOSS_COPIES, *turn_copies(max_turns))
+        self.same = tuple(dict.fromkeys((*SAME_NAME, *ALARM_KEYS)))  # a copy of this step wins over these
+        self._keys = tuple(dict.fromkeys([STEP_KEY, *NONFINITE_KEYS, *self.same,
+                                          *(k for c in self.copies for k in (c.verl, c.per) if k)]))
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why verl should stop now, or None: a collapse with stop_on_collapse (non-finite
+        collapses always, as in the own trainer), or an alarm with on_alarm=stop."""
+        d = self.detector
+        if d.detected and (self.stop_on_collapse or (d.reason or "").startswith("non-finite")):
+            return f"collapse at step {d.collapse_step} ({d.reason})"
+        return self.alarm_stop
 
     @property
     def should_stop(self) -> bool:
-        """Collapsed and asked to stop (non-finite collapses always stop, as in the own trainer)."""
-        d = self.detector
-        return d.detected and (self.stop_on_collapse or (d.reason or "").startswith("non-finite"))
+        return self.stop_reason is not None
 
     def objective(self) -> float:
         return late_mean(self.val_history, self.step, self.total_steps)
 
     def poll(self) -> int:
         """Handle what verl logged since the last call; returns the number of new train steps."""
-        hist = {k: self._history(k) for k in self._keys}
-        new = sorted(s for s in hist[STEP_KEY] if s > self.step)
+        logged = set(call(self.tracker.client.get_run, self.tracker.run_id).data.metrics)
+        hist = {k: self._history(k) for k in self._keys if k in logged}
+        new = sorted(s for s in hist.get(STEP_KEY, {}) if s > self.step)
         for s in new:
             self._train_step(s, {k: h[s] for k, h in hist.items() if s in h})
-        for s, v in sorted(self._history(self.val_key).items()):
+        for s, v in sorted(self._history(self.val_key).items() if self.val_key in logged else ()):
             if not self.val_history or s > self.val_history[-1][0]:
                 self.val_history.append((s, v))
                 self.tracker.log(s, {K.VAL_SUCCESS_RATE: v})
@@ -78,9 +109,15 @@ class RunMonitor:
         return {int(m.step): float(m.value) for m in sorted(rows, key=lambda m: (m.step, m.timestamp))}
 
     def _train_step(self, step: int, verl: Mapping[str, float]) -> None:
-        out = {c.stppo: c.scale * verl[c.verl] for c in TRAIN_COPIES if c.verl in verl}
+        out = copy_values(self.copies, verl)
         bad = any(not math.isfinite(verl[k]) for k in NONFINITE_KEYS if k in verl)
         out[K.SKIPPED_STEPS] = 1.0 if bad else 0.0
+        self._collapse(step, out, bad)
+        self._alarms(step, out, {**{k: verl[k] for k in self.same if k in verl}, **out})
+        self.tracker.log(step, out)
+        self.step = step
+
+    def _collapse(self, step: int, out: dict[str, float], bad: bool) -> None:
         was = self.detector.detected
         self.detector.update(step, out.get(K.SUCCESS_RATE), bad)
         out[K.COLLAPSE_DETECTED] = float(self.detector.detected)
@@ -88,5 +125,12 @@ class RunMonitor:
             out[K.COLLAPSE_STEP] = float(self.detector.collapse_step)
             log.warning("stppo: verl run collapsed at step %d (%s)", self.detector.collapse_step,
                         self.detector.reason)
-        self.tracker.log(step, out)
-        self.step = step
+
+    def _alarms(self, step: int, out: dict[str, float], view: Mapping[str, float]) -> None:
+        """Feed the alarms the step's stppo-named values; log alarm/<name> for those that fire
+        (the own trainer's `_on_alarms`, without rollback)."""
+        fired = self.alarms.update(step, view)
+        out.update({K.alarm_key(n): 1.0 for n in fired})
+        if fired and self.on_alarm == "stop" and self.alarm_stop is None:
+            self.alarm_stop = f"alarm {', '.join(fired)} at step {step}"
+            log.warning("stppo: %s (trainer.on_alarm=stop)", self.alarm_stop)

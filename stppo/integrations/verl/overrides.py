@@ -23,7 +23,8 @@ is rejected by `check_translatable` when it would change the run):
   trainer.ppo_epochs, critic_warmup, total_steps, val_every, save_every, val_questions
   task.max_turns             rollout.multi_turn.max_assistant_turns
   trainer.rollout            temperature, top_p; max_total_tokens = data.max_prompt_length
-                             (backend.max_prompt_length) + data.max_response_length
+                             + data.max_response_length (`verl_lengths`)
+  diagnostics.per_turn       policy_loss.max_turns = task.max_turns (0 when off)
   model                      actor_rollout_ref.model.path = critic.model.path; dtype; checkpointing
   backend                    trainer.nnodes, n_gpus_per_node, rollout engine, TP, micro-batches
   tracking                   trainer.logger=[console,mlflow], project = tracking.experiment
@@ -43,7 +44,7 @@ from stppo.integrations.verl import loss_mode
 
 # --- names shared with the policy-loss plugin (stppo/integrations/verl/{plugin,config}.py):
 # loss_mode(preset) = stppo_<preset>, LOSS_CONFIG_TARGET its PolicyLossConfig subclass
-LOSS_FIELDS = ("tau", "estimator", "granularity")  # extra fields of that PolicyLossConfig subclass
+LOSS_FIELDS = ("tau", "estimator", "granularity", "max_turns")  # extra fields of that PolicyLossConfig subclass
 # verl's losses (and the stppo_* plugin, which follows them) always apply the dual clip with
 # `clip_ratio_c` (default 3); stppo's `algo.dual_clip=null` means none, i.e. a bound never reached.
 NO_DUAL_CLIP = 1e9
@@ -57,6 +58,11 @@ ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": 
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 MAX_TOOL_RESPONSE_CHARS = 8192  # verl truncates longer tool responses (middle); 3 passages fit
+# data.max_prompt_length when backend.max_prompt_length is null: half the context, at most this.
+# Search-R1's instruction and a question take ~200 tokens under Qwen2.5's chat template (its
+# system line included); verl drops longer prompts (data.filter_overlong_prompts).
+MAX_DERIVED_PROMPT = 512
+MIN_PROMPT = 16
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,29 @@ def model_source(cfg: Config) -> str:
     return preset.source
 
 
+def verl_lengths(cfg: Config) -> tuple[int, int]:
+    """(data.max_prompt_length, data.max_response_length). verl bounds the initial prompt and the
+    whole multi-turn response (agent and tool tokens) apart; stppo's `trainer.rollout.max_total_tokens`
+    bounds their sum. The prompt gets `backend.max_prompt_length`, or when that is null half of the
+    total, at most MAX_DERIVED_PROMPT; the response the rest. ValueError (one line) when nothing is
+    left for the response or the prompt would be under MIN_PROMPT tokens."""
+    total, fixed = cfg.trainer.rollout.max_total_tokens, cfg.backend.max_prompt_length
+    prompt = fixed if fixed is not None else min(MAX_DERIVED_PROMPT, total // 2)
+    if fixed is not None and total <= fixed:
+        raise ValueError(f"trainer.rollout.max_total_tokens={total} must exceed backend.max_prompt_length={fixed} "
+                         "(the rest is the response); raise it, or set backend.max_prompt_length=null to derive "
+                         "the prompt's share")
+    if prompt < MIN_PROMPT:
+        raise ValueError(f"trainer.rollout.max_total_tokens={total} leaves verl a prompt of {prompt} tokens; "
+                         f"backend=verl needs at least {2 * MIN_PROMPT}")
+    return prompt, total - prompt
+
+
+def per_turn_count(cfg: Config) -> int:
+    """K of the per-turn metrics `turn/k{k}/*` (k < K): task.max_turns, 0 with diagnostics.per_turn=false."""
+    return cfg.task.max_turns if cfg.diagnostics.per_turn else 0
+
+
 def check_translatable(cfg: Config) -> None:
     """Reject settings the verl backend cannot honour (one line naming the field)."""
     from stppo.algos import PRESETS
@@ -101,9 +130,7 @@ def check_translatable(cfg: Config) -> None:
     if t.minibatch_size % t.group_size:
         raise ValueError(f"trainer.minibatch_size={t.minibatch_size} must be a multiple of trainer.group_size="
                          f"{t.group_size} with backend=verl (verl's mini-batches are whole prompt groups)")
-    if t.rollout.max_total_tokens <= cfg.backend.max_prompt_length:
-        raise ValueError(f"trainer.rollout.max_total_tokens={t.rollout.max_total_tokens} must exceed "
-                         f"backend.max_prompt_length={cfg.backend.max_prompt_length} (the rest is the response)")
+    verl_lengths(cfg)
     if not cfg.tracking.enabled:
         raise ValueError("tracking.enabled=false: backend=verl follows verl through its MLflow run; "
                          "enable tracking (tracking.uri=… for another store)")
@@ -133,11 +160,11 @@ def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
 
 
 def _data(cfg: Config, files: JobFiles) -> dict[str, Any]:
-    t, b = cfg.trainer, cfg.backend
+    t = cfg.trainer
+    prompt, response = verl_lengths(cfg)
     return {"data.train_files": files.train, "data.val_files": files.val, "data.prompt_key": "prompt",
             "data.train_batch_size": t.questions_per_step, "data.val_max_samples": t.val_questions,
-            "data.max_prompt_length": b.max_prompt_length,
-            "data.max_response_length": t.rollout.max_total_tokens - b.max_prompt_length,
+            "data.max_prompt_length": prompt, "data.max_response_length": response,
             "data.filter_overlong_prompts": True, "data.return_raw_chat": True, "data.seed": cfg.seed}
 
 
@@ -161,7 +188,7 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
                   f"{r}.overlong_buffer_cfg.len": a.overlong.buffer_len,
                   f"{r}.overlong_buffer_cfg.penalty_factor": a.overlong.penalty_factor,
                   f"{r}.overlong_buffer_cfg.log": False,
-                  f"{r}.max_resp_len": cfg.trainer.rollout.max_total_tokens - cfg.backend.max_prompt_length})
+                  f"{r}.max_resp_len": verl_lengths(cfg)[1]})
     return o
 
 
@@ -170,7 +197,8 @@ def _actor(cfg: Config) -> dict[str, Any]:
     pl = f"{ACTOR}.policy_loss"
     o: dict[str, Any] = {
         f"{pl}.loss_mode": loss_mode(a.name), f"{pl}._target_": LOSS_CONFIG_TARGET,
-        **{f"+{pl}.{name}": value for name, value in zip(LOSS_FIELDS, (c.tau, c.estimator, c.granularity))},
+        **{f"+{pl}.{name}": value for name, value in zip(
+            LOSS_FIELDS, (c.tau, c.estimator, c.granularity, per_turn_count(cfg)))},
         **{f"+{pl}.options.{k}": v for k, v in a.loss_options.items()},
         f"{ACTOR}.clip_ratio_low": a.clip_low, f"{ACTOR}.clip_ratio_high": a.clip_high,
         f"{ACTOR}.loss_agg_mode": a.loss_agg, f"{ACTOR}.entropy_coeff": a.entropy_coef,
