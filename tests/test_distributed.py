@@ -79,8 +79,9 @@ def test_micro_batched_two_process_update_equals_one_process_whole_minibatch(upd
                 torch.testing.assert_close(micro["critic"][k], one["critic"][k], atol=2e-4, rtol=0)
         m1, m2 = one["metrics"], micro["metrics"]
         per_rank = ("actor/pg_clipfrac", "actor/ratio_max") if procs == 1 else ()  # (one rank)
-        for key in ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
-                    "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref") + per_rank:
+        keys = ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref")
+        for key in keys + per_rank:
             if key in m1:
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 

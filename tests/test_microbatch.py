@@ -54,7 +54,8 @@ def _batch(policy) -> Batch:
         lp = policy_log_probs(policy, ids, attn, positions=loss)
 
     def noise(scale):
-        return torch.where(loss, scale * (2 * torch.rand(N, T, generator=g, dtype=torch.float64) - 1), 0.0)
+        u = torch.rand(N, T, generator=g, dtype=torch.float64)
+        return torch.where(loss, scale * (2 * u - 1), 0.0)
 
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
                  group_ids=torch.arange(N) // 2, scores=torch.rand(N, generator=g),
@@ -170,7 +171,8 @@ def test_the_check_can_fail(setup, monkeypatch):
     with pytest.raises(AssertionError):
         _assert_same(whole, _grads(policy, mb, _ctx(algo, 5)), "local denominators")
     monkeypatch.undo()
-    algo = _algo(name="st_ppo", ratio_level="turn", correction=dict(kind="clip_bias_norm", tau=0.05))
+    algo = _algo(name="st_ppo", ratio_level="turn",
+                 correction=dict(kind="clip_bias_norm", tau=0.05))
     whole = _grads(policy, mb, _ctx(algo, 0))
     monkeypatch.setattr(mbm, "loss_is_separable", lambda *a: True)  # λ of each part alone
     with pytest.raises(AssertionError):

@@ -84,7 +84,7 @@ class GradSum:
         return grads_norm(self.grads, self.params, reduce)
 
 
-# -- the actor --------------------------------------------------------------------------------------
+# -- the actor -----------------------------------------------------------------------------------
 def _forward(policy, ctx: "UpdateContext", entropy: bool = True):
     """Part → (log-probs, entropies) (n, T), agent tokens only; the entropies carry a graph only
     when the loss has an entropy bonus."""
@@ -183,7 +183,7 @@ def _no_grad_forward(policy, part: Batch, ctx: "UpdateContext") -> Outputs:
         return _forward(policy, ctx)(part)
 
 
-# -- the critic -------------------------------------------------------------------------------------
+# -- the critic ----------------------------------------------------------------------------------
 def critic_backward(critic, mb: Batch, ctx: "UpdateContext") -> tuple[torch.Tensor, dict]:
     """Accumulate ∇θ of minibatch `mb`'s value loss in `.grad`; return (loss, metrics). The value
     loss is a sum over tokens given its denominators: each part backwards its share."""
