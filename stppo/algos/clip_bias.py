@@ -18,7 +18,8 @@ Norms and λ use this call's own denominators (a per-minibatch / per-micro-batch
 under data parallelism, the global ones: `policy_loss(..., global_denoms=..., reduce=all_reduce_sum)`
 sums the partial norms (and for the `grad` estimator the partial gradients) over the shards, so
 every shard computes the λ of the whole batch. A caller that computes ‖C‖ itself (the trainer's
-micro-batches, whose parameter gradients no single call sees) passes it as `bias_grad_norm`.
+micro-batches, whose parameter gradients no single call sees) passes it as
+`correction_grad_norm`.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
             g = ctx.grad_norm.detach().float()
         elif ctx.params is None:
             raise ValueError("correction.estimator='grad' needs the policy parameters: pass "
-                             "params=model.parameters() (or bias_grad_norm=‖C‖) to policy_loss")
+                             "params=model.parameters() (or correction_grad_norm=‖C‖) to "
+                             "policy_loss")
         else:
             g = clip_bias_grad_norm(ctx.bias_term(), ctx.params, ctx.reduce)
         return _scale(g, spec.tau), {CLIP_BIAS_GRAD_NORM: g}

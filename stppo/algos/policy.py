@@ -29,7 +29,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
                 loss_mode: str = "clip", options: Optional[Mapping[str, float]] = None,
                 rollout_is_weights: Optional[torch.Tensor] = None,
-                bias_grad_norm: Optional[torch.Tensor] = None,
+                correction_grad_norm: Optional[torch.Tensor] = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of every preset and its diagnostics: `(loss, metrics)`.
 
@@ -39,8 +39,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     kw = dict(ratio_level=ratio_level, clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
               correction=correction, dual_clip=dual_clip, global_denoms=global_denoms,
               params=params, reduce=reduce)
-    if bias_grad_norm is not None:
-        kw["bias_grad_norm"] = bias_grad_norm
+    if correction_grad_norm is not None:
+        kw["correction_grad_norm"] = correction_grad_norm
     if loss_mode == "clip" and not options and rollout_is_weights is None:
         return clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw)
     return dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids, loss_mode=loss_mode,

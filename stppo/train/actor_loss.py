@@ -34,17 +34,17 @@ class Scope:
     denoms: (D_tok, D_seq) of the whole minibatch (over ranks), or None for the call's own counts.
     reduce: the all-reduce sum of the loss's batch statistics over ranks, or None.
     metrics: whether the call reports the step's metrics (a micro-batch's share does not).
-    bias_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches)."""
+    correction_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches)."""
 
     denoms: GlobalDenoms = None
     reduce: Reduce = None
     metrics: bool = True
-    bias_grad_norm: Optional[torch.Tensor] = None
+    correction_grad_norm: Optional[torch.Tensor] = None
 
 
-def whole(mb: Batch, d: Dist, bias_grad_norm: Optional[torch.Tensor] = None) -> Scope:
+def whole(mb: Batch, d: Dist, correction_grad_norm: Optional[torch.Tensor] = None) -> Scope:
     """The minibatch in one call (this rank's rows of it under data parallelism, §6)."""
-    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, bias_grad_norm)
+    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm)
 
 
 def share(denoms: GlobalDenoms) -> Scope:
@@ -80,7 +80,7 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: "UpdateConte
                           correction=correction(algo), dual_clip=algo.dual_clip,
                           global_denoms=scope.denoms, reduce=scope.reduce,
                           params=params if grad_est else None,
-                          bias_grad_norm=scope.bias_grad_norm if grad_est else None,
+                          correction_grad_norm=scope.correction_grad_norm if grad_est else None,
                           **loss_extras(algo, mb, old))  # baselines: loss_mode, options, TIS
     entropy = agg_loss(ent, mb.loss_mask, algo.loss_agg, scope.denoms)
     if scope.metrics:
