@@ -173,7 +173,13 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16
     param_dtype: str = "auto"  # auto | float32 | bfloat16
     gradient_checkpointing: bool = False
+    # LM-head positions per chunk of the log-prob/entropy pass (stppo.models.logprobs): the
+    # float32 logits of one chunk exist at a time, in backward too. null: as many as fit 256 MiB.
+    logits_chunk: Optional[int] = None
     critic_init: str = "policy"  # policy: critic backbone starts from the warm-started policy
+    # Random-init presets: Qwen2Config fields over the preset's architecture, e.g.
+    # {num_hidden_layers: 2} for a truncated copy of a size preset (tests, quick checks).
+    arch_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from stppo.models import MODEL_PRESETS
@@ -183,6 +189,11 @@ class ModelConfig:
         _one_of("model.param_dtype", self.param_dtype, ("auto", "float32", "bfloat16"))
         _one_of("model.critic_init", self.critic_init, ("policy", "random"))
         _check(self.vocab_size >= 300, f"model.vocab_size must be >= 300, got {self.vocab_size}")
+        _check(self.logits_chunk is None or self.logits_chunk >= 1,
+               f"model.logits_chunk must be null (auto) or >= 1, got {self.logits_chunk}")
+        _check(not self.arch_overrides or MODEL_PRESETS[self.name].kind == "random",
+               f"model.arch_overrides applies to random-init presets only; {self.name!r} is "
+               f"{MODEL_PRESETS[self.name].kind}")
 
 
 @dataclass
@@ -269,6 +280,10 @@ class TrainerConfig:
     ppo_epochs: int = 1
     critic_warmup: int = 0  # first steps train only the critic (GAE presets), as in verl
     minibatch_size: int = 64  # trajectories per optimizer step
+    # Gradient accumulation: forward/backward this many trajectories at a time inside each
+    # minibatch (per rank under torchrun), with the whole minibatch's loss and gradient
+    # (stppo.train.microbatch); also the row chunk of the no-grad forwards. 0 = whole minibatch.
+    micro_batch_size: int = 0
     actor_lr: float = 1e-4
     critic_lr: float = 1e-3
     weight_decay: float = 0.0
@@ -314,6 +329,10 @@ class TrainerConfig:
         _check(1 <= self.minibatch_size <= batch,
                f"trainer.minibatch_size={self.minibatch_size} must be in [1, questions_per_step x "
                f"group_size = {batch}]")
+        _check(self.micro_batch_size >= 0 and (self.micro_batch_size == 0
+                                                or self.minibatch_size % self.micro_batch_size == 0),
+               f"trainer.micro_batch_size={self.micro_batch_size} must be 0 (the whole minibatch) "
+               f"or divide trainer.minibatch_size={self.minibatch_size}")
         _check(self.actor_lr > 0 and self.critic_lr > 0, "trainer.actor_lr and trainer.critic_lr must be > 0")
         _check(self.max_grad_norm > 0, f"trainer.max_grad_norm must be > 0, got {self.max_grad_norm}")
         _check(self.val_every >= 0 and self.save_every >= 0, "trainer.val_every and trainer.save_every must be >= 0")

@@ -5,8 +5,9 @@
 Every process builds the same tiny Qwen2 policy, critic and global batch (8 trajectories in
 4 groups of 2, multi-turn layout), keeps its share of the groups (`Dist.shard` of the trainer's
 rule: whole groups per rank), then runs the trainer's own `prepare_batch`, `actor_update` and
-`critic_update`. Rank 0 saves the updated parameters and the step's metrics (reduced over ranks);
-tests/test_distributed.py compares the 1- and 2-process files.
+`critic_update`, each case also with micro-batches of `MICRO` rows. Rank 0 saves the updated
+parameters and the step's metrics (reduced over ranks); tests/test_distributed.py compares the
+1- and 2-process files.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from stppo.train.prepare import prepare_batch
 from stppo.train.update import UpdateContext, actor_update, critic_update
 
 N_GROUPS, GROUP, T, VOCAB = 4, 2, 28, 48
+MICRO = 2  # rows per micro-batch: 4 parts in one process, 2 per rank in two
 
 # name -> algo overrides: every ratio level, advantage estimator and correction whose statistics
 # must be global (whitening, clip_bias/norm, the clip-triggered ratio, the grad estimator). Small
@@ -91,11 +93,12 @@ def models():
     return policy, critic
 
 
-def run_case(case: str, d: distributed.Dist) -> dict:
+def run_case(case: str, d: distributed.Dist, micro: int = 0) -> dict:
     algo = algo_config(case)
-    # 2 epochs of one global minibatch: the second epoch is off-policy (clipped tokens, λ < 1)
+    # 2 epochs of one global minibatch: the second epoch is off-policy (clipped tokens, λ < 1);
+    # `micro` > 0: each rank accumulates its rows `micro` at a time (trainer.micro_batch_size)
     trainer = TrainerConfig(ppo_epochs=2, minibatch_size=N_GROUPS * GROUP, max_grad_norm=1e9,
-                            exact_clip_bias_every=1)
+                            exact_clip_bias_every=1, micro_batch_size=micro)
     policy, critic = models()
     ref = None
     if algo.kl.coef > 0:
@@ -121,6 +124,7 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     d = distributed.init(torch.device("cpu"))
     results = {case: run_case(case, d) for case in CASES}
+    results.update({f"{case}/micro": run_case(case, d, MICRO) for case in CASES})
     if d.world > 1:  # gather every rank's advantages so the test can compare whitening
         import torch.distributed as dist
         gathered = [None] * d.world

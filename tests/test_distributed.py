@@ -64,6 +64,28 @@ def test_two_process_update_equals_one_process(updates, case):
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_micro_batched_two_process_update_equals_one_process_whole_minibatch(updates, case):
+    """trainer.micro_batch_size=2 under 2 ranks (2 parts each) and in one process (4 parts):
+    the same update as one process over the whole minibatch — λ, ‖C‖ (the grad estimator's and
+    the exact diagnostic's) and the loss of the whole minibatch over ranks and parts."""
+    one = updates[1][case]
+    for procs in (1, 2):
+        micro = updates[procs][f"{case}/micro"]
+        for k in one["policy"]:
+            torch.testing.assert_close(micro["policy"][k], one["policy"][k], atol=2e-4, rtol=0)
+        if one["critic"] is not None:
+            for k in one["critic"]:
+                torch.testing.assert_close(micro["critic"][k], one["critic"][k], atol=2e-4, rtol=0)
+        m1, m2 = one["metrics"], micro["metrics"]
+        per_rank = ("actor/pg_clipfrac", "actor/ratio_max") if procs == 1 else ()  # (one rank)
+        keys = ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref")
+        for key in keys + per_rank:
+            if key in m1:
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
 def test_corrections_act_in_the_check(updates):
     """The equality above covers λ < 1 (the corrections act), else it would prove little."""
     for case in ("st_ppo", "s_ppo_grad", "so_grpo"):

@@ -20,7 +20,7 @@ from stppo.algos.dapo import groups_with_signal, overlong_penalty
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
 from stppo.algos.loss import clip_policy_loss
-from stppo.algos.policy import policy_loss
+from stppo.algos.policy import loss_is_separable, policy_loss
 from stppo.algos.presets import (DEFAULT_LOSS_AGG, POLICY_LOSS_KEYWORDS, PRESETS, Preset,
                                  register_preset)
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
@@ -38,7 +38,7 @@ __all__ = [
     "check_loss_mode", "clip_bias_grad_norm", "clip_bias_norm", "clip_bias_term",
     "clip_policy_loss", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
     "explained_variance", "gae", "group_signal_fractions", "groups_with_signal", "grpo_advantages",
-    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
+    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "loss_is_separable", "masked_whiten",
     "overlong_penalty", "pg_loss_norm", "policy_loss", "positive_share", "register_preset",
     "reinforce_pp_advantages", "resolve_correction", "resolve_options", "rloo_advantages",
     "sampler_mismatch", "sapo_gate", "sequence_clip_bias_norm", "sequence_ratio",

@@ -17,7 +17,9 @@ Corrections multiply the policy loss by a detached scale λ:
 Norms and λ use this call's own denominators (a per-minibatch / per-micro-batch quantity), or,
 under data parallelism, the global ones: `policy_loss(..., global_denoms=..., reduce=all_reduce_sum)`
 sums the partial norms (and for the `grad` estimator the partial gradients) over the shards, so
-every shard computes the λ of the whole batch.
+every shard computes the λ of the whole batch. A caller that computes ‖C‖ itself (the trainer's
+micro-batches, whose parameter gradients no single call sees) passes it as
+`correction_grad_norm`.
 """
 
 from __future__ import annotations
@@ -90,17 +92,31 @@ def clip_bias_grad_norm(clip_bias_term: torch.Tensor, params: Iterable[torch.Ten
     params = [p for p in params if p.requires_grad]
     if not params:
         return torch.zeros((), device=clip_bias_term.device)
-    if clip_bias_term.requires_grad:
-        grads = torch.autograd.grad(clip_bias_term, params, retain_graph=True, allow_unused=True)
-    else:
-        grads = [None] * len(params)
-    if reduce is not None:  # every shard joins the collective, even one with nothing clipped
+    return grads_norm(term_grads(clip_bias_term, params), params, reduce)
+
+
+def term_grads(term: torch.Tensor, params: list[torch.Tensor], *,
+               retain_graph: bool = True) -> list[Optional[torch.Tensor]]:
+    """∇_θ term for each of `params` (None where the term does not depend on it), by
+    `torch.autograd.grad`: the parameters' `.grad` are left alone."""
+    if not term.requires_grad:
+        return [None] * len(params)
+    return list(torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True))
+
+
+def grads_norm(grads: list[Optional[torch.Tensor]], params: list[torch.Tensor],
+               reduce: Reduce = None) -> torch.Tensor:
+    """‖(g_1, …, g_n)‖₂ (None = 0), the per-parameter gradients summed over the shards first when
+    `reduce` is given (every shard joins the collective, even one with nothing clipped).
+    Detached 0-d float32."""
+    device = params[0].device if params else torch.device("cpu")
+    if reduce is not None and params:
         flat = torch.cat([(torch.zeros_like(p) if g is None else g.detach()).reshape(-1).float()
                           for p, g in zip(params, grads)])
         return reduce(flat).square().sum().sqrt()
     sq = [g.detach().float().square().sum() for g in grads if g is not None]
     if not sq:
-        return torch.zeros((), device=clip_bias_term.device)
+        return torch.zeros((), device=device)
     return torch.stack(sq).sum().sqrt()
 
 
@@ -154,6 +170,7 @@ class ClipContext:
     bias_term: Callable[[], torch.Tensor]  # → agg(κρA) with graph (its gradient is C), on demand
     params: Optional[list[torch.Tensor]] = None
     reduce: Reduce = None  # all-reduce sum over data-parallel shards
+    grad_norm: Optional[torch.Tensor] = None  # the `grad` estimator's ‖C‖, computed by the caller
 
 
 class CorrectionKind(NamedTuple):
@@ -247,10 +264,14 @@ def _none(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
 
 def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
     if spec.estimator == "grad":
-        if ctx.params is None:
+        if ctx.grad_norm is not None:  # computed by the caller (micro-batches: stppo.train)
+            g = ctx.grad_norm.detach().float()
+        elif ctx.params is None:
             raise ValueError("correction.estimator='grad' needs the policy parameters: pass "
-                             "params=model.parameters() to policy_loss")
-        g = clip_bias_grad_norm(ctx.bias_term(), ctx.params, ctx.reduce)
+                             "params=model.parameters() (or correction_grad_norm=‖C‖) to "
+                             "policy_loss")
+        else:
+            g = clip_bias_grad_norm(ctx.bias_term(), ctx.params, ctx.reduce)
         return _scale(g, spec.tau), {CLIP_BIAS_GRAD_NORM: g}
     if spec.granularity == "sequence":
         return _scale((ctx.bias_rows / ctx.lengths.clamp(min=1)).sqrt(), spec.tau), {}

@@ -73,6 +73,7 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                      correction: Any = None, dual_clip: Optional[float] = None,
                      global_denoms: GlobalDenoms = None,
                      params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
+                     correction_grad_norm: Optional[torch.Tensor] = None,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss of every clip-path preset and its diagnostics (`policy_loss`
     with loss_mode='clip', no options, no rollout IS weights comes here).
@@ -88,6 +89,8 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         needed by correction estimator 'grad' only. reduce: data parallelism — an all-reduce
         sum over the shards (needs global_denoms); clip_bias/norm and the correction's λ are then
         those of the whole batch, identical on every shard. The other metrics stay per shard.
+      correction_grad_norm: 0-d ‖C‖ of estimator 'grad' computed by the caller, in place of
+        `params` (the trainer's micro-batches sum C over several backward passes).
     Returns:
       loss (0-d, with graph) and metrics: detached 0-d tensors keyed by `stppo.tracking`
       constants. Fractions, ratio statistics and PPO_KL (mean −δ) are token-weighted over agent
@@ -107,7 +110,8 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         return turn_clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                      clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
                                      spec=spec, dual_clip=dual_clip, global_denoms=global_denoms,
-                                     params=params, reduce=reduce)
+                                     params=params, reduce=reduce,
+                                     correction_grad_norm=correction_grad_norm)
     delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
     rho = RATIO_LEVELS[ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
     t = _token_terms(rho, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
@@ -120,7 +124,7 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
             rms_sums=lambda: clip_rms_sums(t.ratio, t.adv, t.parts.clipped, loss_mask),
             bias_term=lambda: clip_bias_term(rho, t.adv, t.parts.clipped, loss_mask, loss_agg,
                                              weights=t.w_corr),
-            params=params, reduce=reduce)
+            params=params, reduce=reduce, grad_norm=correction_grad_norm)
         lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
     loss = _assemble(rho, t.parts, t.w_loss, lam)
     metrics = _token_metrics(loss, t, delta, lam)

@@ -145,6 +145,7 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                           loss_agg: str, spec: Optional[Correction],
                           dual_clip: Optional[float], global_denoms: GlobalDenoms,
                           params: Optional[list[torch.Tensor]], reduce: Reduce,
+                          correction_grad_norm: Optional[torch.Tensor] = None,
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`clip_policy_loss` at ratio_level='turn' (arguments checked there); same loss, gradient
     and metrics as the token-by-token computation, up to float rounding."""
@@ -188,7 +189,8 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
 
     lam, extra = None, {}
     if spec is not None:
-        ctx = ClipContext(bias_norm, bias_rows, lengths, rms_sums, bias_term, params, reduce)
+        ctx = ClipContext(bias_norm, bias_rows, lengths, rms_sums, bias_term, params, reduce,
+                          correction_grad_norm)
         lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
     with torch.no_grad():
         row_l = rows_loss if lam is None else rows_loss * lam  # (N,) λ folds in per row

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
 from stppo.cache import cache_dir, content_hash
+from stppo.models.logprobs import set_logits_chunk
 from stppo.models.precision import DTYPES, default_compute_dtype
 from stppo.models.presets import MODEL_PRESETS, get_model_preset
 from stppo.models.tokenizer import train_tokenizer
@@ -59,15 +60,25 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def random_config(arch: dict, tokenizer, *, max_position_embeddings: int = 4096) -> Qwen2Config:
+    """The Qwen2Config of a random-init preset: `arch` over the defaults (the tokenizer's
+    vocabulary, tied embeddings, `max_position_embeddings`); token ids from `tokenizer`. An
+    `arch` with its own `vocab_size` (the published size presets) keeps it: it must cover the
+    tokenizer's ids."""
+    settings = {"vocab_size": len(tokenizer), "tie_word_embeddings": True,
+                "max_position_embeddings": max_position_embeddings, **arch}
+    if settings["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size={settings['vocab_size']} is smaller than the tokenizer's "
+                         f"{len(tokenizer)} ids")
+    return Qwen2Config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, **settings)
+
+
 def build_random_model(arch: dict, tokenizer, *, seed: int = 0,
                        max_position_embeddings: int = 4096) -> PreTrainedModel:
-    """A random-init Qwen2 causal LM over `tokenizer`'s vocabulary; the init depends only on
-    `seed` (the global torch RNG is left untouched)."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), tie_word_embeddings=True,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **arch)
+    """A random-init Qwen2 causal LM of `random_config`; the init depends only on `seed` (the
+    global torch RNG is left untouched)."""
+    config = random_config(arch, tokenizer, max_position_embeddings=max_position_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -76,12 +87,15 @@ def build_random_model(arch: dict, tokenizer, *, seed: int = 0,
 
 def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None = None,
                vocab_size: int = 1500, seed: int = 0, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None, gradient_checkpointing: bool = False):
+               device: str | torch.device | None = None, gradient_checkpointing: bool = False,
+               logits_chunk: int | None = None, arch_overrides: dict | None = None):
     """Return `(model, tokenizer)` for a preset name, a local model directory or a hub id, with
     parameters in `dtype` (None/'auto': float32).
 
     Random-init presets need a `tokenizer`, or `texts` to train one (cached); pretrained ones
-    bring their own tokenizer (a pad token is set to EOS when missing).
+    bring their own tokenizer (a pad token is set to EOS when missing). `arch_overrides`:
+    Qwen2Config fields over a random-init preset's architecture. `logits_chunk`: LM-head
+    positions per chunk of `policy_log_probs` (None: its automatic size).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = resolve_dtype(dtype, device)
@@ -93,7 +107,8 @@ def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None
                     raise ValueError(f"model preset {preset.name!r} is random-init: pass tokenizer= "
                                      "or texts= (the task's corpus, prompts and actions) to train one")
                 tokenizer = train_tokenizer(texts, vocab_size)
-            model = build_random_model(preset.arch, tokenizer, seed=seed)
+            model = build_random_model({**preset.arch, **(arch_overrides or {})}, tokenizer,
+                                       seed=seed)
         elif preset.kind == "gguf":
             model, tokenizer = _load_pretrained(smollm2_checkpoint(preset.source), dtype)
         else:
@@ -109,6 +124,8 @@ def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None
     model = model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         enable_checkpointing(model)
+    if logits_chunk is not None:
+        set_logits_chunk(model, logits_chunk)
     return model, tokenizer
 
 

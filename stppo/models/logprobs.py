@@ -11,6 +11,14 @@ gathered hidden states of the `positions` tokens only (agent tokens in the train
 vocabulary the head is most of a forward's cost, and prompt and observation tokens are often more
 than half of a multi-turn sequence). The head runs in float32 (autocast off, float32 weights):
 log-probs and entropies are never computed from low-precision logits.
+
+Chunked head (`head_log_probs`): the head, log-softmax and entropy run over `logits_chunk`
+positions at a time, so the float32 logits of one chunk exist at once (a micro-batch of 8 rows
+with 2,000 agent tokens each at a 151,936 vocabulary would otherwise hold 9.7 GB per (M, V)
+tensor). With gradients each chunk is checkpointed (`torch.utils.checkpoint`, non-reentrant):
+its logits are recomputed in the backward pass, one chunk at a time, instead of being saved.
+The chunk size is the model's `set_logits_chunk` value, else as many positions as fit
+`LOGITS_CHUNK_BYTES` of float32 logits; one chunk holding every position is today's single pass.
 """
 
 from __future__ import annotations
@@ -19,9 +27,26 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.models.precision import full_precision
+
+LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits of one automatic chunk (~441 positions at 152k)
+_CHUNK_ATTR = "stppo_logits_chunk"
+
+
+def set_logits_chunk(model: torch.nn.Module, positions: int) -> None:
+    """LM-head positions per chunk of `policy_log_probs` for `model` (copies inherit it)."""
+    if not isinstance(positions, int) or positions < 1:
+        raise ValueError(f"logits chunk must be a positive number of positions, got {positions!r}")
+    setattr(model, _CHUNK_ATTR, positions)
+
+
+def logits_chunk(model: torch.nn.Module, vocab: int) -> int:
+    """The model's `set_logits_chunk` value, else ⌊LOGITS_CHUNK_BYTES / (4 · vocab)⌋ (≥ 1)."""
+    n = getattr(model, _CHUNK_ATTR, None)
+    return n if n is not None else max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -54,12 +79,14 @@ def split_head(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
 
 
 def linear_fp32(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """layer(x) in float32 with autocast off (a float32 copy of low-precision weights)."""
+    """layer(x) in float32 with autocast off (a float32 copy of low-precision weights); float64
+    weights keep float64 (exactness checks)."""
     w, b = layer.weight, layer.bias
-    if w.dtype != torch.float32:
-        w, b = w.float(), (b.float() if b is not None else None)
+    dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    if w.dtype != dtype:
+        w, b = w.to(dtype), (b.to(dtype) if b is not None else None)
     with full_precision(x.device.type):
-        return F.linear(x.float(), w, b)
+        return F.linear(x.to(dtype), w, b)
 
 
 def hidden_states(backbone, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -85,14 +112,47 @@ def scatter_rows(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.new_zeros(n, 1), out], dim=1)
 
 
+def _head_chunk(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
+                entropy: bool, entropy_grad: bool):
+    """(log-probs (c,), entropies (c,) or None) of one chunk: float32 logits, then both."""
+    logits = linear_fp32(hidden, head)  # (c, V) float32
+    with full_precision(logits.device.type):
+        lp = token_log_probs(logits, targets)
+        if not entropy:
+            return lp, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return lp, entropy_from_logits(logits)
+
+
+def head_log_probs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *,
+                   chunk: int, entropy: bool = False, entropy_grad: bool = True):
+    """log softmax(head(hidden))[targets] (M,) and, with `entropy`, the entropies (M,) (else None),
+    from hidden states (M, H) in float32, `chunk` positions at a time (module docstring).
+    `entropy_grad=False` computes the entropies without graph (they only feed metrics)."""
+    m = hidden.shape[0]
+    if m <= chunk:  # one pass: the logits are saved for backward as by any autograd op
+        return _head_chunk(hidden, targets, head, entropy, entropy_grad)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    lps, ents = [], []
+    for i in range(0, m, chunk):
+        args = (hidden[i:i + chunk], targets[i:i + chunk], head, entropy, entropy_grad)
+        lp, ent = (checkpoint(_head_chunk, *args, use_reentrant=False, preserve_rng_state=False)
+                   if recompute else _head_chunk(*args))
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
 def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     return_entropy: bool = False, positions: torch.Tensor | None = None):
+                     return_entropy: bool = False, positions: torch.Tensor | None = None,
+                     entropy_grad: bool = True, chunk: int | None = None):
     """log π(ids[t] | ids[:t]) → (N, T) float32, 0 at each row's first real token (t=0 when
     right-padded), on padding, and off `positions` (bool (N, T); None = every real token).
 
     With `return_entropy`, also H_t = −Σ_v π(v | ids[:t]) log π(v | ids[:t]) → (N, T), the
     entropy of the distribution that produced token t (0 where the log-prob is 0 by the rule
-    above). Gradients flow when the caller has them enabled.
+    above); `entropy_grad=False` returns it without graph. Gradients flow when the caller has
+    them enabled. `chunk`: LM-head positions per chunk (None: `logits_chunk(model, V)`).
     """
     _check(input_ids, attention_mask, positions)
     mask = attention_mask.bool()
@@ -102,7 +162,12 @@ def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if parts is not None:
         backbone, head = parts
         hidden = hidden_states(backbone, input_ids, mask)  # (N, T, H)
-        logits = linear_fp32(hidden[:, :-1][sel], head)  # (M, V) float32, needed positions only
+        chunk = chunk or logits_chunk(model, head.out_features)
+        lp, ent = head_log_probs(hidden[:, :-1][sel], head, targets, chunk=chunk,
+                                 entropy=return_entropy, entropy_grad=entropy_grad)  # (M,) each
+        with full_precision(lp.device.type):
+            lp = scatter_rows(lp, sel)  # (N, T)
+            return (lp, scatter_rows(ent, sel)) if return_entropy else lp
     else:  # full forward; the logits of the needed positions in float32
         out = model(input_ids=input_ids, attention_mask=mask.long(),
                     position_ids=position_ids_from_mask(mask), use_cache=False)

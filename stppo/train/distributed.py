@@ -157,10 +157,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def check_divisible(world: int, questions_per_step: int, minibatch_size: int) -> None:
-    """Every rank must run the same number of minibatches: one-line error otherwise."""
+def check_divisible(world: int, questions_per_step: int, minibatch_size: int,
+                    micro_batch_size: int = 0) -> None:
+    """Every rank must run the same number of minibatches, and of micro-batches in each:
+    one-line error otherwise."""
     for name, value in (("trainer.questions_per_step", questions_per_step),
                         ("trainer.minibatch_size", minibatch_size)):
         if value % world:
             raise ValueError(f"{name}={value} must be divisible by the number of data-parallel "
                              f"processes ({world})")
+    rows = minibatch_size // world
+    if micro_batch_size and rows % micro_batch_size:
+        raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must divide the rows of "
+                         f"each rank's minibatch (trainer.minibatch_size={minibatch_size} / "
+                         f"{world} processes = {rows})")

@@ -64,7 +64,7 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     d = distributed.from_env()
     if d.active:
         distributed.check_divisible(d.world, cfg.trainer.questions_per_step,
-                                    cfg.trainer.minibatch_size)
+                                    cfg.trainer.minibatch_size, cfg.trainer.micro_batch_size)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)

@@ -38,7 +38,7 @@ from stppo.rollout import RolloutConfig, rollout
 from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
-from stppo.train.prepare import prepare_batch
+from stppo.train.prepare import FORWARD_CHUNK, prepare_batch
 from stppo.train.samples import SampleRecorder
 from stppo.train.setup import Components
 from stppo.train.update import (UpdateContext, actor_update, critic_update,
@@ -227,7 +227,8 @@ class Trainer:
         batch = batch.to(self.device)  # the rollout packs on the CPU; the update runs on the model's
         t_roll = time.perf_counter() - t0
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
-                                       precision=c.precision, skip_old=self.skip_old)
+                                       precision=c.precision, skip_old=self.skip_old,
+                                       chunk=cfg.trainer.micro_batch_size or FORWARD_CHUNK)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:

@@ -22,6 +22,9 @@ from stppo.models import Precision, policy_log_probs
 from stppo.tracking import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
+FORWARD_CHUNK = 64  # rows per no-grad forward, unless trainer.micro_batch_size says otherwise
+
+
 @torch.no_grad()
 def forward_in_chunks(fn, batch: Batch, chunk: int) -> torch.Tensor:
     """fn(input_ids, attention_mask, positions) → (n, T) over row chunks of the batch,
@@ -54,10 +57,11 @@ def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, flo
 
 
 @torch.no_grad()
-def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *, chunk: int = 64,
-                  reduce=None, precision: Precision = Precision(),
+def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
+                  chunk: int = FORWARD_CHUNK, reduce=None, precision: Precision = Precision(),
                   skip_old: bool = False) -> tuple[Batch, dict[str, float]]:
     """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats.
+    `chunk`: rows per forward (the run's `trainer.micro_batch_size` when set).
     `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global.
     `skip_old`: leave old_log_probs None for the update to fill (an on-policy update)."""
     with precision.autocast():

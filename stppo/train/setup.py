@@ -72,7 +72,9 @@ def build_components(cfg: Config, *, progress: bool = True) -> Components:
     texts = list(tokenizer_texts(task, env)) if preset.kind == "random" and not cfg.model.path else None
     policy, tokenizer = load_model(source, texts=texts, vocab_size=cfg.model.vocab_size,
                                    seed=WARMSTART_SEED, dtype=precision.param_dtype, device=device,
-                                   gradient_checkpointing=cfg.model.gradient_checkpointing)
+                                   gradient_checkpointing=cfg.model.gradient_checkpointing,
+                                   logits_chunk=cfg.model.logits_chunk,
+                                   arch_overrides=dict(cfg.model.arch_overrides))
     if cfg.task.prompt_style == "chat":
         env = build_env(cfg, task, tokenizer)
     ws_loss = warm_start(cfg, task, env, policy, tokenizer, progress=progress, precision=precision)

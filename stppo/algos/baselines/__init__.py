@@ -37,6 +37,10 @@ class LossMode(NamedTuple):
     check: Optional[Callable[[dict], None]] = None  # validates resolved options
     uses_clip: bool = True  # reads clip_low / clip_high
     source: str = ""
+    # The loss of a batch is the sum of its parts' losses under the batch's denominators
+    # (`global_denoms`): no statistic of the whole batch enters a token's term. False for the
+    # losses that select tokens (Clip-/KL-Cov) or set bounds (BAPO) from the whole batch.
+    separable: bool = True
 
 
 LOSS_MODES: Registry[LossMode] = Registry("loss_mode")
@@ -49,13 +53,14 @@ LOSS_MODES.register("gmpo", LossMode(gmpo_loss, {}, ("sequence",),
 LOSS_MODES.register("sapo", LossMode(sapo_loss, sapo.DEFAULTS, ("token",), check=sapo.check,
                                      uses_clip=False, source="SAPO (arXiv 2511.20347); verl 'sapo'"))
 LOSS_MODES.register("clip_cov", LossMode(clip_cov_loss, cov.CLIP_COV_DEFAULTS, ("token",),
-                                         check=cov.check_clip_cov,
+                                         check=cov.check_clip_cov, separable=False,
                                          source="Clip-Cov (arXiv 2505.22617); verl 'clip_cov'"))
 LOSS_MODES.register("kl_cov", LossMode(kl_cov_loss, cov.KL_COV_DEFAULTS, ("token",),
-                                       check=cov.check_kl_cov, uses_clip=False,
+                                       check=cov.check_kl_cov, uses_clip=False, separable=False,
                                        source="KL-Cov (arXiv 2505.22617); verl 'kl_cov'"))
 LOSS_MODES.register("bapo", LossMode(bapo_loss, bapo.DEFAULTS, ("token",), dual_clip=True,
-                                     check=bapo.check, source="BAPO (arXiv 2510.18927)"))
+                                     check=bapo.check, separable=False,
+                                     source="BAPO (arXiv 2510.18927)"))
 
 
 def resolve_options(loss_mode: str, options: Optional[Mapping[str, Any]]) -> dict[str, float]:

@@ -1,0 +1,138 @@
+"""The actor's loss from log-probs: the preset's policy loss, the KL term, the entropy bonus and
+the step's diagnostics (DESIGN.md §2, §4).
+
+`actor_loss(lp, ent, mb, ctx, scope)` takes the (n, T) log-probs and entropies of minibatch rows
+`mb` — with the policy forward's graph, or detached leaves (`stppo.train.microbatch`) — so one
+assembly serves the whole-minibatch loss, a micro-batch's share of it and the metrics pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from stppo.algos import (agg_loss, agg_weights, clip_bias_term, clipped_surrogate,
+                         importance_ratio, kl_loss, policy_loss, sampler_mismatch, turn_breakdown)
+from stppo.algos.aggregation import GlobalDenoms
+from stppo.algos.clip_bias import Reduce
+from stppo.batch import Batch
+from stppo.config import AlgoConfig
+from stppo.tracking import ENTROPY, PG_LOSS
+from stppo.train.baselines import loss_extras
+from stppo.train.distributed import Dist
+
+if TYPE_CHECKING:
+    from stppo.train.update import UpdateContext
+
+
+@dataclass(frozen=True)
+class Scope:
+    """How one loss call relates to its minibatch.
+
+    denoms: (D_tok, D_seq) of the whole minibatch (over ranks), or None for the call's own counts.
+    reduce: the all-reduce sum of the loss's batch statistics over ranks, or None.
+    metrics: whether the call reports the step's metrics (a micro-batch's share does not).
+    correction_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches)."""
+
+    denoms: GlobalDenoms = None
+    reduce: Reduce = None
+    metrics: bool = True
+    correction_grad_norm: Optional[torch.Tensor] = None
+
+
+def whole(mb: Batch, d: Dist, correction_grad_norm: Optional[torch.Tensor] = None) -> Scope:
+    """The minibatch in one call (this rank's rows of it under data parallelism, §6)."""
+    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm)
+
+
+def share(denoms: GlobalDenoms) -> Scope:
+    """One part of a minibatch: its share of the minibatch's loss; no metrics, no collectives."""
+    return Scope(denoms, None, False)
+
+
+def old_log_probs(lp: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """log π_old: the batch's, or (on-policy update) the forward's own detached log-probs."""
+    return mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
+
+
+def correction(algo: AlgoConfig):
+    c = algo.correction
+    return None if c.kind == "none" else c
+
+
+def grad_estimator(algo: AlgoConfig) -> bool:
+    c = correction(algo)
+    return c is not None and c.estimator == "grad"
+
+
+def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: "UpdateContext",
+               scope: Scope, params: Optional[list] = None) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of rows `mb` from their log-probs `lp` and entropies `ent` (n, T).
+    `params`: the policy parameters, read by the `grad` estimator unless `scope` brings ‖C‖."""
+    algo, d = ctx.algo, ctx.dist
+    old = old_log_probs(lp, mb)
+    grad_est = grad_estimator(algo)
+    loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids,
+                          ratio_level=algo.ratio_level, clip_low=algo.clip_low,
+                          clip_high=algo.clip_high, loss_agg=algo.loss_agg,
+                          correction=correction(algo), dual_clip=algo.dual_clip,
+                          global_denoms=scope.denoms, reduce=scope.reduce,
+                          params=params if grad_est else None,
+                          correction_grad_norm=scope.correction_grad_norm if grad_est else None,
+                          **loss_extras(algo, mb, old))  # baselines: loss_mode, options, TIS
+    entropy = agg_loss(ent, mb.loss_mask, algo.loss_agg, scope.denoms)
+    if scope.metrics:
+        m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
+        m.update(diagnostics(lp, ent, old, mb, ctx))
+        m[ENTROPY] = d.all_sum(entropy.detach())
+    if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
+        kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
+                         loss_agg=algo.loss_agg, global_denoms=scope.denoms)
+        loss = loss + algo.kl.coef * kl
+        if scope.metrics:
+            m.update({k: d.all_sum(v) for k, v in km.items()})
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * entropy
+    return loss, m
+
+
+def ratio_clipped(lp: torch.Tensor, old: torch.Tensor, mb: Batch, algo: AlgoConfig,
+                  advantages: Optional[torch.Tensor] = None):
+    """(ρ at the preset's ratio level (with lp's graph), masked A, κ the clip-bound indicator)."""
+    ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, algo.ratio_level)
+    adv = torch.where(mb.loss_mask, mb.advantages if advantages is None else advantages, 0.0)
+    clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
+    return ratio, adv, clipped
+
+
+def clip_bias_of(lp: torch.Tensor, mb: Batch, algo: AlgoConfig, denoms: GlobalDenoms, *,
+                 as_corrected: bool = False) -> torch.Tensor:
+    """agg(κ ρ A) of rows `mb` with lp's graph — its gradient is the clipping bias C — weighted
+    as in the minibatch (`denoms`), so the parts' terms sum to the minibatch's. `as_corrected`:
+    the term the `grad` estimator corrects with, ωA in place of A under TIS (the clip path's
+    advantages, `stppo.algos.baselines`); else the diagnostic's, with A."""
+    old = old_log_probs(lp, mb)
+    adv = None
+    if as_corrected:
+        w = loss_extras(algo, mb, old).get("rollout_is_weights")
+        adv = None if w is None else mb.advantages * w
+    ratio, adv, clipped = ratio_clipped(lp, old, mb, algo, adv)
+    w = agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
+    return clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
+
+
+def diagnostics(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
+                ctx: "UpdateContext") -> dict[str, torch.Tensor]:
+    """The minibatch's per-turn breakdown and sampler-vs-trainer mismatch (DESIGN.md §4)."""
+    m: dict[str, torch.Tensor] = {}
+    if ctx.max_turns:
+        with torch.no_grad():
+            ratio, _, clipped = ratio_clipped(lp.detach(), old, mb, ctx.algo)
+        m.update(turn_breakdown(ratio, lp, old, mb.advantages, ent, clipped, mb.loss_mask,
+                                mb.turn_ids, ctx.max_turns))
+    if mb.rollout_log_probs is not None:
+        m.update(sampler_mismatch(old, mb.rollout_log_probs, mb.loss_mask,
+                                  ctx.algo.rollout_is.threshold))
+    return m

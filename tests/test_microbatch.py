@@ -1,0 +1,271 @@
+"""Micro-batched update (`trainer.micro_batch_size`): the loss, gradient and metrics of a minibatch
+accumulated over micro-batches equal the whole minibatch's in one forward — every aggregation
+mode and ratio level, every correction (batch and sequence granularity, both estimators), every
+loss mode, TIS, the KL term and the entropy bonus (float64, 1e-10); the critic too; and a whole
+update with micro-batches and gradient checkpointing equals the plain one. The 2-process
+data-parallel equality with micro-batches is in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from stppo.algos import LOSS_MODES, loss_is_separable
+from stppo.batch import Batch
+from stppo.config import (AlgoConfig, CorrectionConfig, KLConfig, RolloutISConfig, TrainerConfig)
+from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
+from stppo.train.microbatch import actor_backward, critic_backward, split
+from stppo.train.update import UpdateContext, actor_update, critic_update
+
+N, T, VOCAB, TOL = 12, 24, 40, 1e-10
+
+
+def _model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).double().train()
+
+
+def _batch(policy) -> Batch:
+    """Multi-turn rows (prompt, turns separated by observations, right padding), one row without
+    agent tokens; old log-probs off the current policy (ratios up to e^±0.6, so clips bind),
+    sampler and reference log-probs, advantages, values and returns."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, VOCAB, (N, T), generator=g)
+    attn = torch.zeros(N, T, dtype=torch.bool)
+    loss = torch.zeros(N, T, dtype=torch.bool)
+    turns = torch.full((N, T), -1, dtype=torch.long)
+    for i in range(N):
+        length = int(torch.randint(T - 10, T + 1, (1,), generator=g))
+        attn[i, :length] = True
+        pos, turn = 3, 0
+        while pos < length and i != 5:  # row 5: prompt only
+            a = int(torch.randint(1, 6, (1,), generator=g))
+            loss[i, pos:min(pos + a, length)] = True
+            turns[i, pos:min(pos + a, length)] = turn
+            pos, turn = pos + a + int(torch.randint(1, 4, (1,), generator=g)), turn + 1
+    ids = torch.where(attn, ids, 0)
+    with torch.no_grad():
+        lp = policy_log_probs(policy, ids, attn, positions=loss)
+
+    def noise(scale):
+        u = torch.rand(N, T, generator=g, dtype=torch.float64)
+        return torch.where(loss, scale * (2 * u - 1), 0.0)
+
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
+                 group_ids=torch.arange(N) // 2, scores=torch.rand(N, generator=g),
+                 old_log_probs=lp + noise(0.6), rollout_log_probs=lp + noise(0.8),
+                 ref_log_probs=lp + noise(0.5),
+                 advantages=torch.randn(N, T, generator=g, dtype=torch.float64),
+                 values=torch.randn(N, T, generator=g, dtype=torch.float64),
+                 returns=torch.randn(N, T, generator=g, dtype=torch.float64))
+
+
+def _algo(name="ppo", **kw) -> AlgoConfig:
+    for key, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
+                     ("rollout_is", RolloutISConfig)):
+        if key in kw:
+            kw[key] = cls(**kw[key])
+    return AlgoConfig(name=name, **kw)
+
+
+def _ctx(algo: AlgoConfig, micro: int) -> UpdateContext:
+    # micro rows need not divide the minibatch here (a last, shorter minibatch splits the same)
+    trainer = SimpleNamespace(minibatch_size=N, micro_batch_size=micro, exact_clip_bias_every=1)
+    return UpdateContext(algo, trainer, torch.Generator(), max_turns=4)
+
+
+def _grads(model, mb: Batch, ctx: UpdateContext, exact_bias=True):
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # Clip-Cov's draw comes from the global generator (as verl's)
+    loss, m = actor_backward(model, mb, ctx, params, exact_bias)
+    return loss.detach(), m, [p.grad.clone() for p in params]
+
+
+def _assert_same(whole, micro, what: str) -> None:
+    (l1, m1, g1), (l2, m2, g2) = whole, micro
+    assert abs(float(l2) - float(l1)) <= TOL * (1 + abs(float(l1))), what
+    scale = max(float(g.abs().max()) for g in g1)
+    assert scale > 0, what
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=0, atol=TOL * scale, msg=what)
+    assert set(m1) == set(m2), what
+    for k in m1:
+        a, b = float(m1[k]), float(m2[k])
+        assert abs(a - b) <= TOL * (1 + abs(a)) or (a != a and b != b), f"{what}: {k} {a} {b}"
+
+
+OPTIONS = {"clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0}, "kl_cov": {"kl_cov_ratio": 0.2}}
+CASES = {
+    # every aggregation mode at every ratio level (plain clip), the KL term and entropy bonus
+    **{f"{lvl}/{agg}": dict(ratio_level=lvl, loss_agg=agg)
+       for lvl in ("token", "turn", "sequence")
+       for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")},
+    "kl_entropy/token": dict(kl=dict(coef=0.1, estimator="k3"), entropy_coef=0.01),
+    "kl_entropy/turn": dict(name="turn_ppo", ratio_level="turn", kl=dict(coef=0.1, estimator="k1"),
+                            entropy_coef=0.02, loss_agg="token-mean"),
+    "dual_clip": dict(dual_clip=1.5),
+    # S-PPO, ST-PPO, SO-PPO: batch and sequence granularity, token and grad estimators
+    "s_ppo/batch": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=0.05)),
+    "s_ppo/sequence": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=0.05,
+                                                          granularity="sequence")),
+    "s_ppo/grad": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=1e-3,
+                                                      estimator="grad")),
+    "st_ppo/batch": dict(name="st_ppo", ratio_level="turn",
+                         correction=dict(kind="clip_bias_norm", tau=0.05),
+                         kl=dict(coef=0.05, estimator="k2"), entropy_coef=0.01),
+    "st_ppo/sequence": dict(name="st_ppo", ratio_level="turn",
+                            correction=dict(kind="clip_bias_norm", tau=0.05,
+                                            granularity="sequence")),
+    "st_ppo/grad+tis": dict(name="st_ppo", ratio_level="turn", rollout_is=dict(kind="token"),
+                            correction=dict(kind="clip_bias_norm", tau=1e-3, estimator="grad")),
+    "so_ppo": dict(name="so_ppo", ratio_level="turn", correction=dict(kind="clip_triggered",
+                                                                        tau=0.1)),
+    "so_grpo/sequence": dict(name="so_grpo", ratio_level="sequence", advantage="grpo",
+                             use_critic=False, clip_low=0.02, clip_high=0.02,
+                             correction=dict(kind="clip_triggered", tau=0.1)),
+    "grpo": dict(name="grpo", advantage="grpo", use_critic=False, loss_agg="token-mean"),
+    "tis": dict(rollout_is=dict(kind="token", threshold=1.5)),
+    # every baseline loss mode (the batch-level ones: Clip-Cov, KL-Cov, BAPO), TIS on one
+    **{f"mode/{mode}": dict(name="grpo", advantage="grpo", use_critic=False, loss_mode=mode,
+                            ratio_level="sequence" if mode == "gmpo" else "token",
+                            loss_options=OPTIONS.get(mode, {}))
+       for mode in LOSS_MODES if mode != "clip"},
+    "mode/bapo+tis": dict(name="bapo", advantage="grpo", use_critic=False, loss_mode="bapo",
+                          clip_low=0.4, rollout_is=dict(kind="token")),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    policy = _model()
+    return policy, _batch(policy)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("micro", [5, 1])  # parts of 5, 5, 2 rows; single rows
+def test_micro_batched_loss_gradient_and_metrics_equal_the_whole_minibatch(setup, case, micro):
+    policy, mb = setup
+    algo = _algo(**CASES[case])
+    whole = _grads(policy, mb, _ctx(algo, 0))
+    _assert_same(whole, _grads(policy, mb, _ctx(algo, micro)), f"{case}, micro {micro}")
+    if algo.correction.kind != "none" and micro == 5:  # the corrections act in this check
+        assert float(whole[1]["clip_bias/scale"]) < 0.999, case
+
+
+def test_the_check_can_fail(setup, monkeypatch):
+    """Micro-batches with each part's own denominators, or a batch λ from each part alone,
+    differ from the whole minibatch: the equality above is not vacuous."""
+    import stppo.train.microbatch as mbm
+
+    policy, mb = setup
+    algo = _algo(ratio_level="token", loss_agg="seq-mean-token-mean")
+    whole = _grads(policy, mb, _ctx(algo, 0))
+    monkeypatch.setattr(mbm, "minibatch_denoms", lambda mask, d: None)  # per-part counts
+    with pytest.raises(AssertionError):
+        _assert_same(whole, _grads(policy, mb, _ctx(algo, 5)), "local denominators")
+    monkeypatch.undo()
+    algo = _algo(name="st_ppo", ratio_level="turn",
+                 correction=dict(kind="clip_bias_norm", tau=0.05))
+    whole = _grads(policy, mb, _ctx(algo, 0))
+    monkeypatch.setattr(mbm, "loss_is_separable", lambda *a: True)  # λ of each part alone
+    with pytest.raises(AssertionError):
+        _assert_same(whole, _grads(policy, mb, _ctx(algo, 5)), "per-part λ")
+
+
+def test_batch_level_losses_are_exactly_those_not_separable():
+    assert {m for m in LOSS_MODES if not loss_is_separable(m)} == {"clip_cov", "kl_cov", "bapo"}
+    assert not loss_is_separable("clip", CorrectionConfig(kind="clip_bias_norm"))
+    assert not loss_is_separable("clip", CorrectionConfig(kind="clip_triggered"))
+    assert loss_is_separable("clip", CorrectionConfig(kind="clip_bias_norm",
+                                                      granularity="sequence"))
+
+
+@pytest.mark.parametrize("micro", [5, 1])
+def test_micro_batched_critic_equals_the_whole_minibatch(setup, micro):
+    policy, mb = setup
+    critic = ValueModel.from_policy(policy).train()
+    out = []
+    for m in (0, micro):
+        critic.zero_grad(set_to_none=True)
+        loss, metrics = critic_backward(critic, mb, _ctx(_algo(), m))
+        out.append((loss.detach(), metrics, [p.grad.clone() for p in critic.parameters()]))
+    _assert_same(out[0], out[1], f"critic, micro {micro}")
+
+
+def test_parts_are_consecutive_rows():
+    policy = _model()
+    mb = _batch(policy)
+    parts = split(mb, 5)
+    assert [len(p) for p in parts] == [5, 5, 2]
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), mb.input_ids)
+
+
+def _update(micro: int, checkpointing: bool, algo: AlgoConfig):
+    policy = _model()
+    batch = _batch(policy)
+    critic = ValueModel.from_policy(policy).train()
+    if checkpointing:
+        enable_checkpointing(policy)
+        critic.gradient_checkpointing_enable()
+    trainer = TrainerConfig(questions_per_step=N, group_size=1, minibatch_size=6, ppo_epochs=2,
+                            micro_batch_size=micro, exact_clip_bias_every=2, max_grad_norm=1e9)
+    ctx = UpdateContext(algo, trainer, torch.Generator().manual_seed(0), max_turns=4)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    copt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    m = actor_update(policy, opt, batch, ctx)
+    m.update(critic_update(critic, copt, batch, ctx))
+    return policy, critic, m
+
+
+@pytest.mark.parametrize("algo", [dict(name="st_ppo", ratio_level="turn",
+                                       correction=dict(kind="clip_bias_norm", tau=0.05)),
+                                  dict(name="ppo", entropy_coef=0.01)])
+def test_update_with_micro_batches_and_checkpointing_equals_the_plain_update(algo):
+    """Two epochs of two minibatches (4 optimizer steps): the micro-batched, gradient-checkpointed
+    update lands on the same weights and reports the same metrics."""
+    algo = _algo(**algo)
+    p0, c0, m0 = _update(0, False, algo)
+    p1, c1, m1 = _update(2, True, algo)
+    for a, b in zip(list(p0.parameters()) + list(c0.parameters()),
+                    list(p1.parameters()) + list(c1.parameters())):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9)
+    assert set(m0) == set(m1)
+    for k in set(m0) - {"critic/vf_clipfrac"}:  # (†)
+        assert m1[k] == pytest.approx(m0[k], rel=1e-8, abs=1e-10), k
+    # (†) vf_clipfrac counts tokens with e2 > e1 (verl's definition); on an unclipped token e2 and
+    # e1 are two roundings of one number, so after the first step (weights equal to ~1e-15, not
+    # bit for bit) the count is float noise, not a statistic.
+
+
+def test_checkpointing_recomputes_the_layers_in_backward():
+    """The option works with the lean forward and micro-batches: each decoder layer runs twice
+    per part (forward, then recomputed in backward)."""
+    policy = _model()
+    batch = _batch(policy)
+    enable_checkpointing(policy)
+    calls = []
+    policy.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))  # (‡)
+    _grads(policy, batch, _ctx(_algo(), 6), exact_bias=False)  # 2 parts, shares
+    assert len(calls) == 4
+    # (‡) a pre-hook inside the layer: transformers checkpoints the layer's `forward` (its own
+    # hooks stay outside), and the recomputation stops once the last saved tensor is rebuilt,
+    # before the MLP returns
+
+
+def test_micro_batch_size_must_divide_the_minibatch():
+    with pytest.raises(ValueError, match=r"trainer\.micro_batch_size=3 must be 0 \(the whole "
+                                         r"minibatch\) or divide trainer\.minibatch_size=8"):
+        TrainerConfig(questions_per_step=4, group_size=2, minibatch_size=8, micro_batch_size=3)
+    from stppo.train.distributed import check_divisible
+
+    with pytest.raises(ValueError, match=r"trainer\.micro_batch_size=4 must divide the rows of "
+                                         r"each rank's minibatch \(trainer\.minibatch_size=8 / 4 "
+                                         r"processes = 2\)"):
+        check_divisible(4, 8, 8, 4)
