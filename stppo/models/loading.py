@@ -130,12 +130,19 @@ def load_model(name_or_path: str, *, tokenizer=None, texts: Iterable[str] | None
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    """Recompute activations in the backward pass (less memory, ~30% more compute).
+
+    Non-reentrant checkpointing needs no input that requires grad, so the forward hook transformers
+    adds to the input embeddings for PEFT's frozen layers (`enable_input_require_grads`) is
+    removed again: every weight here trains, and a model without hooks keeps the rollout's lean
+    and static paths (`stppo.rollout.leanstep.supported`)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
 
 
 def hub_reachable(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
