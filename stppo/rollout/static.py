@@ -34,6 +34,7 @@ the eager engine. torch.compile is not used.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from stppo.rollout.staticstep import StaticForward, StaticKV, attention_mask, ca
 from stppo.rollout.stopping import StopChecker
 
 # sampler model → {(shape, graphs): engine}: a run keeps one; a benchmark may hold graphs on and off
+log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -159,7 +161,14 @@ class StaticEngine:
             return self._step(b, greedy)
         g = self._graphs.get((b, greedy))
         if g is None:
-            g = self._graphs[(b, greedy)] = self._capture(b, greedy)
+            try:
+                g = self._graphs[(b, greedy)] = self._capture(b, greedy)
+            except RuntimeError as e:  # a kernel that cannot be captured here: plain steps
+                torch.cuda.synchronize()
+                log.warning("stppo: capturing the static rollout's decoding step failed (%s); "
+                            "running it without CUDA graphs", str(e).splitlines()[0])
+                self.graphs, self._graphs = False, {}
+                return self._step(b, greedy)
         g.replay()
 
     def _capture(self, b: int, greedy: bool) -> "torch.cuda.CUDAGraph":
