@@ -13,7 +13,7 @@ from stppo.train.critic_warmstart import returns_of
 from stppo.train.job import run
 from stppo.train.setup import build_components
 
-CW = ("trainer.critic_warmstart.enabled=true", "trainer.critic_warmstart.questions=40",
+CW = ("trainer.critic_warmstart.enabled=true", "trainer.critic_warmstart.questions=80",
       "trainer.critic_warmstart.steps=60", "trainer.critic_warmstart.batch_size=16")
 
 
