@@ -104,12 +104,12 @@ part_static_tests() {
 
 part_bench_rollout() {
     needs bm25s || return 1
-    OMP_NUM_THREADS=1 run_py "$1" benchmarks/bench_rollout.py --device cuda --repeats 5
+    OMP_NUM_THREADS=1 run_py "$1" benchmarks/bench_rollout.py --device cuda --repeats 3
 }
 
 part_trl() {
     with_site trl needs trl datasets omegaconf bm25s || return 1
-    OMP_NUM_THREADS=1 with_site trl run_py "$1" benchmarks/bench_vs_trl.py --device cuda --warmup 2 --steps 4
+    OMP_NUM_THREADS=1 with_site trl run_py "$1" benchmarks/bench_vs_trl.py --device cuda --warmup 1 --steps 3
 }
 
 part_sizes() {
@@ -128,9 +128,9 @@ part_smollm2() {
                   trainer.questions_per_step=16 trainer.group_size=4 trainer.minibatch_size=32
                   trainer.micro_batch_size=8 trainer.progress=false trainer.out_dir="$RUN/runs"
                   tracking.uri="sqlite:///$RUN/mlflow.db" tracking.experiment=gpu_smollm2)
-    run_py "$1" run.py "${common[@]}" trainer.rollout.engine=static trainer.total_steps=5 \
+    run_py "$1" run.py "${common[@]}" trainer.rollout.engine=static trainer.total_steps=4 \
         trainer.val_questions=64 tracking.run_name=static || return 1
-    run_py "$1" run.py "${common[@]}" trainer.rollout.engine=eager trainer.total_steps=3 \
+    run_py "$1" run.py "${common[@]}" trainer.rollout.engine=eager trainer.total_steps=2 \
         trainer.val_questions=16 tracking.run_name=eager || return 1
     run_py "$1" scripts/gpu_figures.py "$RUN/mlflow.db" gpu_smollm2 --compare static eager
 }
