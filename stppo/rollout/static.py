@@ -117,7 +117,7 @@ class StaticEngine:
         self.length = torch.zeros(capacity, dtype=torch.long, device=dev)  # ids kept when done
         self.stopped = torch.zeros(capacity, dtype=torch.bool, device=dev)  # ended by a stop id
         self.budget = torch.zeros(capacity, dtype=torch.long, device=dev)
-        self.step = torch.zeros((), dtype=torch.long, device=dev)  # the turn's decoding step
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)  # the turn's decoding step
         self.stop_ids = torch.zeros(0, dtype=torch.long, device=dev)
         self.pad_id = 0
         self.state = (self.rows, self.cur, self.done, self.length, self.stopped, self.budget)
@@ -131,17 +131,18 @@ class StaticEngine:
     def _step(self, b: int, greedy: bool) -> None:
         s = self.step
         rows = self.rows[:b]
+        cols = s.expand(b)  # (b,): a 0-d index would be read on the host (no capture)
         z = self.logits[:b]  # (b, V) float32
         if greedy:
             tok = z.argmax(dim=-1)  # (b,)
         else:
             scaled = z if self.shape.temperature == 1.0 else z / self.shape.temperature
             q = top_p_filter(scaled, self.shape.top_p).softmax(dim=-1)
-            tok = inverse_cdf(q, self.u[rows, s])  # (b,)
+            tok = inverse_cdf(q, self.u[rows, cols])  # (b,)
         logp = torch.log_softmax(z, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)  # (b,)
         live = ~self.done[:b]
-        self.ids[rows, s] = tok
-        self.logps[rows, s] = logp
+        self.ids[rows, cols] = tok
+        self.logps[rows, cols] = logp
         hit = (tok.unsqueeze(1) == self.stop_ids).any(dim=1)  # (b,): EOS or a one-token tag
         ends = live & (hit | (self.budget[:b] <= s + 1))
         self.length[:b] = torch.where(ends, s + 1, self.length[:b])
