@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover
 
 import torch
 
-from stppo.algos import log_ratio, policy_loss, turn_ratio
+from stppo.algos import PRESETS, log_ratio, policy_loss, turn_ratio
 
 N, T, TURNS = 64, 2048, 8
 
@@ -131,18 +131,17 @@ def main() -> None:
     torch.set_num_threads(1)
     b = make_batch()
     lp = b["log_probs"].clone().requires_grad_(True)
-    common = dict(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean")
+    specs = {name: PRESETS[name].spec() for name in ("ppo", "st_ppo")}  # clip 0.2, seq-mean-token-mean
     rest = (b["old_log_probs"], b["advantages"], b["loss_mask"], b["turn_ids"])
 
     def ppo() -> None:
         lp.grad = None
-        loss, _ = policy_loss(lp, *rest, ratio_level="token", **common)
+        loss, _ = policy_loss(lp, *rest, specs["ppo"])
         loss.backward()
 
     def st_ppo() -> None:
         lp.grad = None
-        loss, _ = policy_loss(lp, *rest, ratio_level="turn",
-                              correction={"kind": "clip_bias_norm", "tau": 0.5}, **common)
+        loss, _ = policy_loss(lp, *rest, specs["st_ppo"])  # turn ratios, clip_bias_norm τ 0.5
         loss.backward()
 
     def ratio_fwd_bwd(impl) -> Callable[[], None]:

@@ -87,8 +87,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renam
 
 import torch  # noqa: E402
 
-from stppo.algos import PRESETS  # noqa: E402
-from stppo.config import AlgoConfig, CorrectionConfig, TrainerConfig  # noqa: E402
+from stppo.config import AlgoConfig, TrainerConfig  # noqa: E402
 from stppo.envs.base import Question  # noqa: E402
 from stppo.envs.single_turn import SingleTurnEnv  # noqa: E402
 from stppo.models import build_random_model, resolve_precision, train_tokenizer  # noqa: E402
@@ -170,10 +169,7 @@ DEVICE = torch.device("cpu")  # main() sets it from --device
 
 def stppo_trainer(model, tok, prompts: list[str], n_steps: int, seed: int):
     """stppo's trainer step as a function of the step index → {gen, update, tokens} (CPU s)."""
-    preset = PRESETS["grpo"]
-    algo = AlgoConfig(name="grpo", ratio_level=preset.ratio_level, advantage=preset.advantage,
-                      use_critic=preset.uses_critic, loss_agg=preset.loss_agg,
-                      correction=CorrectionConfig(kind=preset.correction))
+    algo = AlgoConfig(name="grpo")  # the preset's loss (stppo.algos.PRESETS)
     trainer = TrainerConfig(questions_per_step=PROMPTS_PER_STEP, group_size=GROUP, ppo_epochs=1,
                             minibatch_size=PROMPTS_PER_STEP * GROUP, actor_lr=LR,
                             max_grad_norm=MAX_GRAD_NORM, threads=1, device=DEVICE.type)

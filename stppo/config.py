@@ -17,11 +17,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from stppo.alarms import AlarmConfig
 from stppo.diagnostics import CollapseConfig
 
-RATIO_LEVELS = ("token", "turn", "sequence")
-ADVANTAGES = ("gae", "grpo", "turn_gae", "rloo", "reinforce_pp")
-CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp")  # the others need a critic
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-CORRECTIONS = ("none", "clip_bias_norm", "clip_triggered")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -37,22 +32,11 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class CorrectionConfig:
-    kind: str = "none"
-    tau: Optional[float] = None  # None: the correction's default (stppo.algos.DEFAULT_TAU)
+    """The correction of the loss (stppo.algos.clip_bias); null fields: the preset's."""
+    kind: Optional[str] = None  # none | clip_bias_norm | clip_triggered
+    tau: Optional[float] = None  # None: the preset's, else the kind's default (DEFAULT_TAU)
     estimator: str = "token"  # token | grad
     granularity: str = "batch"  # batch | sequence
-
-    def __post_init__(self) -> None:
-        _one_of("algo.correction.kind", self.kind, CORRECTIONS)
-        _one_of("algo.correction.estimator", self.estimator, ("token", "grad"))
-        _one_of("algo.correction.granularity", self.granularity, ("batch", "sequence"))
-        if self.tau is None and self.kind != "none":
-            from stppo.algos import DEFAULT_TAU
-
-            self.tau = DEFAULT_TAU[self.kind]
-        _check(self.tau is None or self.tau > 0, f"algo.correction.tau must be > 0, got {self.tau}")
-        _check(not (self.estimator == "grad" and self.granularity == "sequence"),
-               "algo.correction.estimator=grad supports granularity=batch only")
 
 
 @dataclass
@@ -73,16 +57,12 @@ class RolloutISConfig:
     kind: str = "none"  # none | token
     threshold: float = 2.0  # C: ω = min(π_old / π_rollout, C)
 
-    def __post_init__(self) -> None:
-        _one_of("algo.rollout_is.kind", self.kind, ("none", "token"))
-        _check(self.threshold > 0, f"algo.rollout_is.threshold must be > 0, got {self.threshold}")
-
 
 @dataclass
 class DynamicSamplingConfig:
     """DAPO's dynamic sampling: drop groups whose rewards all agree, roll out more questions to
     refill the batch (verl's algorithm.filter_groups)."""
-    enabled: bool = False
+    enabled: Optional[bool] = None  # None: the preset's (dapo: on)
     max_rounds: int = 4  # refill rollouts per step at most (verl: max_num_gen_batches − 1)
     refill_factor: float = 2.0  # questions rolled out per missing group (verl's replay buffer: 2)
 
@@ -97,7 +77,7 @@ class DynamicSamplingConfig:
 class OverlongConfig:
     """DAPO's soft overlong punishment on the trajectory score (verl's overlong_buffer); the
     length limit is trainer.rollout.max_total_tokens."""
-    enabled: bool = False
+    enabled: Optional[bool] = None  # None: the preset's (dapo: on)
     buffer_len: int = 128  # L_cache: the penalty ramps over the last buffer_len tokens
     penalty_factor: float = 1.0
 
@@ -109,57 +89,97 @@ class OverlongConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = MISSING  # preset name (stppo.algos.PRESETS)
-    ratio_level: str = "token"
-    advantage: str = "gae"
-    use_critic: bool = True
-    loss_agg: str = "seq-mean-token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    """The run's loss: a preset (stppo.algos.PRESETS, named by conf/algo/<name>.yaml) or a
+    researcher's own (a preset file with `loss: module:function`, stppo.algos.plugins), with the
+    run's overrides. Loss fields left null take the preset's value; `spec` is the one validated
+    `LossSpec` that the trainer, data parallelism and the verl backend read."""
+    name: str = MISSING  # preset name
+    loss: Optional[str] = None  # a researcher's stabiliser: 'module.path:function' (its own preset)
+    ratio_level: Optional[str] = None
+    advantage: Optional[str] = None
+    use_critic: Optional[bool] = None
+    loss_agg: Optional[str] = None
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
     dual_clip: Optional[float] = None
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     kl: KLConfig = field(default_factory=KLConfig)
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount
+    gae_lambda: float = 1.0  # GAE's λ (the correction's scale is another λ: clip_bias/scale)
     whiten_advantages: bool = True
     grpo_eps: float = 1e-6
     entropy_coef: float = 0.0
     vf_clip: float = 0.5
-    loss_mode: str = "clip"  # stppo.algos.LOSS_MODES
-    loss_options: dict[str, float] = field(default_factory=dict)  # the mode's knobs → all resolved
+    loss_mode: Optional[str] = None  # stppo.algos.LOSS_MODES
+    loss_options: dict[str, float] = field(default_factory=dict)  # over the preset's (mode's) options
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
     def __post_init__(self) -> None:
-        from stppo.algos import PRESETS
-
-        _one_of("algo.name", self.name, tuple(PRESETS))
-        _one_of("algo.ratio_level", self.ratio_level, RATIO_LEVELS)
-        _one_of("algo.advantage", self.advantage, ADVANTAGES)
-        _one_of("algo.loss_agg", self.loss_agg, LOSS_AGGS)
-        _check(0.0 <= self.clip_low < 1.0, f"algo.clip_low must be in [0, 1), got {self.clip_low}")
-        _check(self.clip_high > 0.0, f"algo.clip_high must be > 0, got {self.clip_high}")
-        _check(self.dual_clip is None or self.dual_clip > 1.0,
-               f"algo.dual_clip must be null or > 1, got {self.dual_clip}")
-        _check(0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0,
-               f"algo.gamma and algo.lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        _check(self.advantage in CRITIC_FREE_ADVANTAGES or self.use_critic,
-               f"algo.advantage={self.advantage} needs a critic: set algo.use_critic=true")
+        for sub, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
+                         ("rollout_is", RolloutISConfig), ("dynamic_sampling", DynamicSamplingConfig),
+                         ("overlong", OverlongConfig)):
+            if isinstance(getattr(self, sub), dict):
+                setattr(self, sub, cls(**getattr(self, sub)))
+        _check(0.0 <= self.gamma <= 1.0 and 0.0 <= self.gae_lambda <= 1.0,
+               f"algo.gamma and algo.gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}")
         _check(self.vf_clip > 0, f"algo.vf_clip must be > 0, got {self.vf_clip}")
-        self._check_loss_mode()
+        self._spec = resolve_loss(self)
 
-    def _check_loss_mode(self) -> None:
-        from stppo.algos import LOSS_MODES, check_loss_mode
+    @property
+    def spec(self):
+        """The run's `stppo.algos.LossSpec` (validated at construction)."""
+        return self._spec
 
-        _one_of("algo.loss_mode", self.loss_mode, tuple(LOSS_MODES))
-        try:
-            opts = check_loss_mode(self.loss_mode, ratio_level=self.ratio_level,
-                                   correction_kind=self.correction.kind, dual_clip=self.dual_clip,
-                                   options=dict(self.loss_options))
-        except ValueError as e:
-            raise ValueError(f"algo: {e}") from None
-        self.loss_options = opts
+
+def resolve_loss(a: AlgoConfig):
+    """Fill the null loss fields of `a` from its preset (the config then records the values
+    that ran) and build its `LossSpec` — the one place a loss setting is validated."""
+    from stppo.algos import PRESETS, Correction, LossSpec, RolloutIS
+    from stppo.algos.plugins import register_stabiliser
+
+    if a.loss is not None:  # a researcher's preset: its file holds every field it fixes
+        _check(a.name not in PRESETS, f"algo.name={a.name!r} is a built-in preset; a preset file "
+               "with algo.loss needs a name of its own")
+        register_stabiliser(a.name, a.loss)
+        base = LossSpec(name=a.name, loss_mode=a.name)
+        ds = ov = False
+    else:
+        _one_of("algo.name", a.name, tuple(PRESETS))
+        p = PRESETS[a.name]
+        base, ds, ov = p.spec(), p.dynamic_sampling, p.overlong
+    c = a.correction
+    if c.kind is not None:
+        from stppo.algos import CORRECTIONS
+
+        _one_of("algo.correction.kind", c.kind, tuple(CORRECTIONS))
+    for name in ("ratio_level", "advantage", "use_critic", "loss_agg", "clip_low", "clip_high",
+                 "loss_mode"):
+        if getattr(a, name) is None:
+            setattr(a, name, getattr(base, name))
+    if c.kind is None:
+        c.kind = base.correction_kind
+    if c.tau is None and c.kind != "none":
+        same = base.correction is not None and base.correction.kind == c.kind
+        c.tau = base.correction.tau if same else None
+    a.loss_options = {**(base.options if a.loss_mode == base.loss_mode else {}), **dict(a.loss_options)}
+    if a.dynamic_sampling.enabled is None:
+        a.dynamic_sampling.enabled = ds
+    if a.overlong.enabled is None:
+        a.overlong.enabled = ov
+    try:
+        correction = Correction(c.kind, c.tau, c.estimator, c.granularity)
+    except ValueError as e:
+        raise ValueError(f"algo.{e}") from None
+    c.tau = correction.tau
+    spec = LossSpec(name=a.name, ratio_level=a.ratio_level, clip_low=a.clip_low,
+                    clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
+                    correction=correction, loss_mode=a.loss_mode, options=a.loss_options,
+                    rollout_is=RolloutIS(a.rollout_is.kind, a.rollout_is.threshold),
+                    advantage=a.advantage, use_critic=a.use_critic)
+    a.loss_options = dict(spec.options)
+    return spec
 
 
 @dataclass

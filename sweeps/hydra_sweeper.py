@@ -102,7 +102,13 @@ class PruningOptunaSweeperImpl(OptunaSweeperImpl):
         self._save_results(study)
 
     def _correction_overrides(self) -> list[str]:
-        kind = OmegaConf.select(self.config, "algo.correction.kind", default="none")
+        """The search space of the run's correction kind: the override's, else the preset's."""
+        kind = OmegaConf.select(self.config, "algo.correction.kind", default=None)
+        if kind is None:
+            from stppo.algos import PRESETS
+
+            name = OmegaConf.select(self.config, "algo.name", default=None)
+            kind = PRESETS[name].correction if name in PRESETS else "none"
         return [f"{k}={v}" for k, v in (self.correction_params.get(kind) or {}).items()]
 
     def _trial_overrides(self, study_name: str, number: int) -> tuple[str, ...]:

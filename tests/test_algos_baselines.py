@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stppo import tracking as K
-from stppo.algos import PRESETS, policy_loss, sapo_gate
+from stppo.algos import PRESETS, sapo_gate
+from keyword_loss import policy_loss
 from test_algos_helpers import make_inputs, with_garbage
 
 MODES = ("cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo")
@@ -330,7 +331,7 @@ def test_empty_batches_give_zero_loss_and_finite_metrics():
 
 # --- options and argument errors ----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_mode="nope"), "unknown loss_mode 'nope'; valid: clip, cispo, gmpo, sapo"),
+    (dict(loss_mode="nope"), "loss_mode='nope' is not valid; allowed: clip, cispo, gmpo, sapo"),
     (dict(loss_mode="sapo", options={"tau": 1.0}), "no option.s. tau; valid: tau_pos, tau_neg"),
     (dict(loss_mode="cispo", options={"tau_pos": 1.0}), "no option.s. tau_pos; valid: none"),
     (dict(loss_mode="sapo", options={"tau_pos": "x"}), "option tau_pos must be a number"),
@@ -366,24 +367,24 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         "dapo": ("token", "clip", "grpo", "token-mean", 0.2, 0.28),
         "cispo": ("token", "cispo", "grpo", "token-mean", 0.99, 0.28),
         "gmpo": ("sequence", "gmpo", "grpo", "seq-mean-token-mean", 0.4, 0.4),
-        "sapo": ("token", "sapo", "grpo", "seq-mean-token-mean", None, None),
-        "clip_cov": ("token", "clip_cov", "grpo", "token-mean", None, None),
-        "kl_cov": ("token", "kl_cov", "grpo", "token-mean", None, None),
+        "sapo": ("token", "sapo", "grpo", "seq-mean-token-mean", 0.2, 0.2),
+        "clip_cov": ("token", "clip_cov", "grpo", "token-mean", 0.2, 0.2),
+        "kl_cov": ("token", "kl_cov", "grpo", "token-mean", 0.2, 0.2),
         "bapo": ("token", "bapo", "grpo", "token-mean", 0.4, 0.2),
-        "rloo": ("token", "clip", "rloo", "seq-mean-token-mean", None, None),
-        "reinforce_pp": ("token", "clip", "reinforce_pp", "seq-mean-token-mean", None, None),
+        "rloo": ("token", "clip", "rloo", "seq-mean-token-mean", 0.2, 0.2),
+        "reinforce_pp": ("token", "clip", "reinforce_pp", "seq-mean-token-mean", 0.2, 0.2),
     }
     assert list(PRESETS)[8:] == list(table)
     for name, row in table.items():
         p = PRESETS[name]
         assert (p.ratio_level, p.loss_mode, p.advantage, p.loss_agg, p.clip_low,
                 p.clip_high) == row
-        assert not p.uses_critic and p.correction == "none"
-        a = to_config(compose([f"algo={name}"])).algo  # conf/algo/<name>.yaml says the same
-        assert (a.ratio_level, a.loss_mode, a.advantage, a.loss_agg, a.use_critic) == (
-            p.ratio_level, p.loss_mode, p.advantage, p.loss_agg, p.uses_critic)
-        assert a.loss_options == dict(p.options)
-        assert (a.clip_low, a.clip_high) == (p.clip_low or 0.2, p.clip_high or 0.2)
+        assert not p.use_critic and p.correction == "none"
+        a = to_config(compose([f"algo={name}"])).algo  # the run's config takes the preset's values
+        assert a.spec == p.spec() and a.loss_options == dict(p.options)
+        assert (a.ratio_level, a.loss_mode, a.advantage, a.loss_agg, a.use_critic, a.clip_low,
+                a.clip_high) == (p.ratio_level, p.loss_mode, p.advantage, p.loss_agg,
+                                 p.use_critic, p.clip_low, p.clip_high)
         assert (a.dynamic_sampling.enabled, a.overlong.enabled) == (p.dynamic_sampling,
                                                                     p.overlong)
         first = (CONF_DIR / "algo" / f"{name}.yaml").read_text().splitlines()[0]
@@ -394,21 +395,18 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
                                              "lower_step": 0.02, "upper_step": 0.05}
 
 
-def test_loss_kwargs_carries_the_mode_and_what_the_preset_fixes():
-    kw = PRESETS["sapo"].loss_kwargs(clip_high=0.3)
-    assert kw == {"ratio_level": "token", "loss_agg": "seq-mean-token-mean", "correction": None,
-                  "loss_mode": "sapo", "options": {"tau_pos": 1.0, "tau_neg": 1.05},
-                  "clip_high": 0.3}
-    assert PRESETS["dapo"].loss_kwargs()["clip_high"] == 0.28
-    assert "loss_mode" not in PRESETS["ppo"].loss_kwargs()  # the clip path's call is unchanged
+def test_every_preset_spec_makes_a_valid_policy_loss_call():
+    from stppo.algos import policy_loss as spec_loss
+
     x = make_inputs(3, 8, seed=0, dtype=torch.float64)
-    for name in list(PRESETS)[8:]:  # every preset's kwargs make a valid policy_loss call
-        kw = {"clip_low": 0.2, "clip_high": 0.2, **PRESETS[name].loss_kwargs()}
-        loss, _ = policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"],
-                              x["loss_mask"], x["turn_ids"], **kw)
-        assert torch.isfinite(loss), name
-    with pytest.raises(ValueError, match="nope not keyword.s. of policy_loss"):
-        PRESETS["cispo"].loss_kwargs(nope=1)
+    for name in PRESETS:
+        out = spec_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
+                        x["turn_ids"], PRESETS[name].spec())
+        assert torch.isfinite(out.loss), name
+        assert out.ratio.shape == out.clipped.shape == x["log_probs"].shape
+    assert PRESETS["sapo"].spec(clip_high=0.3).clip_high == 0.3
+    with pytest.raises(TypeError):
+        PRESETS["cispo"].spec(nope=1)
 
 
 @pytest.mark.parametrize("mode", ("bapo", "cispo", "sapo"))

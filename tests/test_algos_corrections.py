@@ -9,8 +9,9 @@ from omegaconf import OmegaConf
 
 from stppo import tracking as K
 from stppo.algos import (Correction, agg_loss, clip_bias_grad_norm, clip_bias_term,
-                         clipped_surrogate, importance_ratio, policy_loss, resolve_correction,
+                         clipped_surrogate, importance_ratio, resolve_correction,
                          sequence_clip_bias_norm)
+from keyword_loss import policy_loss
 
 CLIP = dict(clip_low=0.2, clip_high=0.2)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from stppo import tracking as K
-from stppo.algos import agg_denoms, agg_loss, clipped_surrogate, importance_ratio, policy_loss
+from stppo.algos import agg_denoms, agg_loss, clipped_surrogate, importance_ratio
+from keyword_loss import policy_loss
 from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 LEVELS = ("token", "turn", "sequence")

@@ -131,10 +131,10 @@ def test_presets_match_the_design_table():
     assert list(PRESETS)[:len(table)] == list(table)  # then the baselines (test_algos_baselines)
     for name, row in table.items():
         p = PRESETS[name]
-        assert (p.ratio_level, p.correction, p.advantage, p.uses_critic) == row
+        assert (p.ratio_level, p.correction, p.advantage, p.use_critic) == row
         assert p.loss_agg == "seq-mean-token-mean"
         assert (p.tau is None) == (p.correction == "none")
-        assert (p.correction_spec() is None) == (p.correction == "none")
+        assert (p.spec().correction is None) == (p.correction == "none")
     assert PRESETS["st_ppo"].tau == 0.5 and PRESETS["so_grpo"].tau == 2.0
     with pytest.raises(FrozenInstanceError):
         PRESETS["ppo"].ratio_level = "turn"
@@ -163,3 +163,16 @@ def test_registry_behaves_like_a_read_only_dict():
     assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError)
     assert str(e.value) == "unknown thing 'b'; valid: a"
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+
+
+def test_every_preset_is_defined_once():
+    """conf/algo/<name>.yaml names its preset and nothing else: the fields live in PRESETS only,
+    so a preset cannot be defined twice (a field in a conf file fails here)."""
+    from omegaconf import OmegaConf
+
+    from stppo.config import CONF_DIR
+
+    files = sorted((CONF_DIR / "algo").glob("*.yaml"))
+    assert sorted(f.stem for f in files) == sorted(PRESETS)
+    for f in files:
+        assert OmegaConf.to_container(OmegaConf.load(f)) == {"name": f.stem}, f.name

@@ -10,11 +10,12 @@ import torch
 
 from stppo import tracking as K
 from stppo.algos import (Correction, agg_weights, clip_bias_term, clipped_surrogate,
-                         importance_ratio, log_ratio, policy_loss, resolve_correction, turn_ratio)
+                         importance_ratio, log_ratio, resolve_correction, turn_ratio)
 from stppo.algos.aggregation import agg_denoms, agg_row_weights, mask_float
 from stppo.algos.ratios import clamped_log_ratio
 from stppo.algos.segments import INTERLEAVE, TurnRatio, TurnSegments
 from stppo.algos.turn_clip import TurnStats
+from keyword_loss import policy_loss
 from test_algos_corrections import linear_policy
 from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 

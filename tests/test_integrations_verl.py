@@ -1,6 +1,7 @@
 """The engine-free parts of the verl backend's losses (docs/design.md, "verl backend: losses"):
-turn ids from a mask, `Preset.loss_kwargs`, verl's global counts as stppo's denominators, verl's
-dual-clip fraction — and that they need neither verl nor, for the packages, torch. Runs in
+turn ids from a mask, the spec of a verl call (`verl_spec`), verl's global counts as stppo's
+denominators, verl's dual-clip fraction — and that they need neither verl nor, for the packages,
+torch. Runs in
 stppo's .venv (no verl); the calls through verl itself are in tests/verl."""
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stppo.algos import PRESETS, Correction, policy_loss
+from stppo.algos import PRESETS, Correction
 from stppo.algos.aggregation import agg_loss
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.integrations.verl.losses import (dual_clip_fraction, verl_global_denoms,
                                             verl_loss_agg)
+from keyword_loss import policy_loss
 from test_algos_helpers import make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,36 +64,51 @@ def test_turn_ids_reject_a_non_matrix():
         turn_ids_from_mask(torch.ones(5, dtype=torch.bool))
 
 
-# --- Preset.loss_kwargs --------------------------------------------------------------------------
-def test_loss_kwargs_fix_the_preset_and_take_overrides():
+# --- the spec of a verl call ---------------------------------------------------------------------
+def _config(**kw):
+    """verl's actor config as the losses read it (a stand-in namespace, no verl here)."""
+    from types import SimpleNamespace
+
+    pl = SimpleNamespace(**{k: kw.pop(k) for k in ("tau", "estimator", "granularity", "options",
+                                                   "spec") if k in kw})
+    return SimpleNamespace(policy_loss=pl, **kw)
+
+
+def test_verl_spec_is_the_preset_with_verls_clip_and_aggregation():
+    from stppo.integrations.verl.losses import verl_spec
+
     for name, p in PRESETS.items():
-        kw = p.loss_kwargs()
-        assert kw["ratio_level"] == p.ratio_level and kw["loss_agg"] == p.loss_agg
-        assert kw["correction"] == p.correction_spec()
-    st = PRESETS["st_ppo"]
-    kw = st.loss_kwargs(loss_agg="token-mean", clip_low=0.1, clip_high=0.3,
-                        correction=st.correction_spec(0.7, granularity="sequence"))
-    assert kw == {"ratio_level": "turn", "loss_agg": "token-mean", "clip_low": 0.1,
-                  "clip_high": 0.3, "correction": Correction("clip_bias_norm", 0.7, "token",
-                                                             "sequence")}
-    assert st.correction_spec() == Correction("clip_bias_norm", 0.5)  # τ None → the preset's
-    assert PRESETS["ppo"].correction_spec(0.7) is None
+        s = verl_spec(name, "token-mean", _config(clip_ratio_low=0.1, clip_ratio_high=0.3,
+                                                  clip_ratio_c=3.0))
+        assert s.replace(clip_low=p.clip_low, clip_high=p.clip_high, loss_agg=p.loss_agg,
+                         dual_clip=None) == p.spec(), name
+        assert (s.clip_low, s.clip_high, s.loss_agg) == (0.1, 0.3, "token-mean")
+    st = verl_spec("st_ppo", "token-mean", _config(tau=0.7, granularity="sequence"))
+    assert st.correction == Correction("clip_bias_norm", 0.7, "token", "sequence")
+    assert verl_spec("st_ppo", "token-mean", _config()).correction == Correction("clip_bias_norm", 0.5)
+    assert verl_spec("ppo", "token-mean", _config(tau=0.7)).correction is None
+    assert verl_spec("sapo", "token-mean", _config(clip_ratio_c=3.0)).dual_clip is None  # no dual clip
 
 
-def test_loss_kwargs_reject_names_policy_loss_does_not_take():
-    with pytest.raises(ValueError, match=r"preset 'ppo': clip not keyword\(s\) of policy_loss; "
-                                         r"allowed: clip_high, clip_low, correction"):
-        PRESETS["ppo"].loss_kwargs(clip=0.2)
+def test_a_sent_spec_wins_over_the_preset_and_the_knobs():
+    from stppo.integrations.verl.losses import verl_spec
+
+    sent = PRESETS["st_ppo"].spec(ratio_level="token", correction=Correction("clip_triggered", 1.5))
+    s = verl_spec("st_ppo", "seq-mean-token-mean", _config(spec=sent.to_dict(), tau=0.9))
+    assert s.ratio_level == "token" and s.correction == Correction("clip_triggered", 1.5)
+    with pytest.raises(ValueError, match="estimator 'grad' needs the policy parameters"):
+        verl_spec("st_ppo", "token-mean", _config(
+            spec=PRESETS["st_ppo"].spec(correction=Correction("clip_bias_norm", 0.5, "grad")).to_dict()))
 
 
-def test_loss_kwargs_call_equals_the_explicit_call():
-    x = make_inputs(4, 20, seed=5, max_turns=3)
-    args = (x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"], x["turn_ids"])
-    a, _ = policy_loss(*args, **PRESETS["so_ppo"].loss_kwargs(clip_low=0.2, clip_high=0.2))
-    b, _ = policy_loss(*args, ratio_level="turn", clip_low=0.2, clip_high=0.2,
-                       loss_agg="seq-mean-token-mean",
-                       correction={"kind": "clip_triggered", "tau": 2.0})
-    assert float(a) == float(b)
+def test_spec_round_trips_through_plain_values():
+    import json
+
+    from stppo.algos import LossSpec
+
+    for p in PRESETS.values():
+        spec = p.spec()
+        assert LossSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
 # --- verl's counts, modes and metrics ------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from stppo.algos import LOSS_MODES, loss_is_separable
+from stppo.algos import LOSS_MODES, LossSpec
 from stppo.batch import Batch
 from stppo.config import (AlgoConfig, CorrectionConfig, KLConfig, RolloutISConfig, TrainerConfig)
 from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
@@ -174,17 +174,17 @@ def test_the_check_can_fail(setup, monkeypatch):
     algo = _algo(name="st_ppo", ratio_level="turn",
                  correction=dict(kind="clip_bias_norm", tau=0.05))
     whole = _grads(policy, mb, _ctx(algo, 0))
-    monkeypatch.setattr(mbm, "loss_is_separable", lambda *a: True)  # λ of each part alone
+    monkeypatch.setattr(LossSpec, "separable", property(lambda self: True))  # λ of each part alone
     with pytest.raises(AssertionError):
         _assert_same(whole, _grads(policy, mb, _ctx(algo, 5)), "per-part λ")
 
 
 def test_batch_level_losses_are_exactly_those_not_separable():
-    assert {m for m in LOSS_MODES if not loss_is_separable(m)} == {"clip_cov", "kl_cov", "bapo"}
-    assert not loss_is_separable("clip", CorrectionConfig(kind="clip_bias_norm"))
-    assert not loss_is_separable("clip", CorrectionConfig(kind="clip_triggered"))
-    assert loss_is_separable("clip", CorrectionConfig(kind="clip_bias_norm",
-                                                      granularity="sequence"))
+    assert {m for m, mode in LOSS_MODES.items() if not mode.separable} == {"clip_cov", "kl_cov", "bapo"}
+    assert not _algo(correction=dict(kind="clip_bias_norm")).spec.separable
+    assert not _algo(correction=dict(kind="clip_triggered")).spec.separable
+    assert _algo(correction=dict(kind="clip_bias_norm", granularity="sequence")).spec.separable
+    assert _algo().spec.separable and not _algo("bapo").spec.separable
 
 
 @pytest.mark.parametrize("micro", [5, 1])

@@ -288,7 +288,7 @@ def test_outcome_of_verls_exit():
     (["model=tiny"], "model=tiny is a random preset built by stppo's own trainer"),
     (["trainer.warmstart.enabled=true"], "trainer.warmstart.enabled=true: verl has no SFT warm start"),
     (["algo=grpo", "trainer.group_size=3", "trainer.minibatch_size=32"], "must be a multiple of trainer.group_size=3"),
-    (["algo.ratio_level=token"], "algo.ratio_level=token differs from preset st_ppo (turn)"),
+    (["algo.correction.estimator=grad"], "algo.correction.estimator=grad: the 'grad' estimator needs the policy"),
     (["task.prompt_style=compact"], "task.prompt_style=compact is for stppo's random-init models"),
 ])
 def test_settings_verl_cannot_honour_are_one_line_errors(extra, message, tmp_path):

@@ -1,8 +1,9 @@
-"""stppo.algos — every equation of DESIGN.md §2 as pure torch functions (no I/O, no .item()).
+"""stppo.algos — every equation of docs/design.md §2 as pure torch functions (no I/O, no .item()).
 
-Entry point: `policy_loss(...) -> (loss, metrics)`. Registries (unknown names list the valid
-ones): RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, LOSS_MODES, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS,
-PRESETS.
+Entry point: `policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec)` →
+loss, metrics, and per token ρ and κ; `spec` is a `LossSpec`, built from a preset
+(`PRESETS[name].spec(...)`) or a run's config. Registries (unknown names list the valid ones):
+RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, LOSS_MODES, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, PRESETS.
 """
 
 from stppo.algos.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, grpo_advantages,
@@ -12,7 +13,7 @@ from stppo.algos.aggregation import LOSS_AGGS, agg_denoms, agg_loss, agg_weights
 from stppo.algos.clip_bias import (CORRECTIONS, DEFAULT_TAU, Correction, clip_bias_grad_norm,
                                    clip_bias_norm, clip_bias_term, clip_triggered_ratio,
                                    pg_loss_norm, resolve_correction, sequence_clip_bias_norm)
-from stppo.algos.baselines import LOSS_MODES, check_loss_mode, resolve_options
+from stppo.algos.modes import LOSS_MODES, check_loss_mode, resolve_options
 from stppo.algos.breakdown import group_signal_fractions, sampler_mismatch, turn_breakdown
 from stppo.algos.baselines.bapo import bapo_schedule, positive_share
 from stppo.algos.baselines.sapo import sapo_gate
@@ -20,9 +21,9 @@ from stppo.algos.dapo import groups_with_signal, overlong_penalty
 from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
 from stppo.algos.loss import clip_policy_loss
-from stppo.algos.policy import loss_is_separable, policy_loss
-from stppo.algos.presets import (DEFAULT_LOSS_AGG, POLICY_LOSS_KEYWORDS, PRESETS, Preset,
-                                 register_preset)
+from stppo.algos.policy import LossInputs, LossOutput, policy_loss
+from stppo.algos.presets import PRESETS, Preset, register_preset
+from stppo.algos.spec import DEFAULT_LOSS_AGG, LossSpec, RolloutIS
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
                                 token_ratio, turn_ratio)
 from stppo.algos.rollout_is import ROLLOUT_IS_KINDS, truncated_is_weights
@@ -32,13 +33,14 @@ from stppo.algos.value import explained_variance, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "Correction", "DEFAULT_LOSS_AGG", "DEFAULT_TAU",
-    "KL_ESTIMATORS", "LOSS_AGGS", "LOSS_MODES", "POLICY_LOSS_KEYWORDS", "PRESETS", "Preset",
+    "KL_ESTIMATORS", "LOSS_AGGS", "LOSS_MODES", "LossInputs", "LossOutput", "LossSpec", "PRESETS",
+    "Preset", "RolloutIS",
     "RATIO_LEVELS", "ROLLOUT_IS_KINDS", "Registry", "Surrogate", "SurrogateParts",
     "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights", "bapo_schedule",
     "check_loss_mode", "clip_bias_grad_norm", "clip_bias_norm", "clip_bias_term",
     "clip_policy_loss", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
     "explained_variance", "gae", "group_signal_fractions", "groups_with_signal", "grpo_advantages",
-    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "loss_is_separable", "masked_whiten",
+    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
     "overlong_penalty", "pg_loss_norm", "policy_loss", "positive_share", "register_preset",
     "reinforce_pp_advantages", "resolve_correction", "resolve_options", "rloo_advantages",
     "sampler_mismatch", "sapo_gate", "sequence_clip_bias_norm", "sequence_ratio",

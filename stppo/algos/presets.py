@@ -1,4 +1,8 @@
-"""The eight algorithm presets of DESIGN.md §2 — one registry, `PRESETS`.
+"""Every named loss, defined once — one registry, `PRESETS` (docs/design.md §2).
+
+`conf/algo/<name>.yaml` names a preset and nothing else; a run's `algo` overrides turn the preset
+into its `LossSpec` (`stppo.algos.spec`). A researcher's own preset is a file of their own
+(`stppo.algos.plugins`). The paper's eight:
 
 | preset   | ratio    | correction     | advantage | critic |
 |----------|----------|----------------|-----------|--------|
@@ -11,13 +15,13 @@
 | gspo     | sequence | none           | grpo      | no     |
 | so_grpo  | turn     | clip_triggered | grpo      | no     |
 
-Defaults shared by all presets: loss_agg 'seq-mean-token-mean' (the paper's 1/|y| form); τ of the
-correction from `stppo.algos.clip_bias.DEFAULT_TAU` (clip_bias_norm 0.5, clip_triggered 2.0 —
-this suite's choice, the paper's values are not public), estimator 'token', granularity 'batch'.
+Defaults shared by all presets: loss_agg 'seq-mean-token-mean' (the paper's 1/|y| form), clip
+range 0.2/0.2; τ of the correction from `stppo.algos.clip_bias.DEFAULT_TAU` (clip_bias_norm 0.5,
+clip_triggered 2.0 — this suite's choice, the paper's values are not public), estimator 'token',
+granularity 'batch'.
 
-The baselines people compare against (DESIGN.md §2; `loss_mode` of `stppo.algos.baselines`), none
-with a critic. Where a preset fixes the clip range (ε_low/ε_high), loss_agg or options, so does
-its conf/algo/<name>.yaml:
+The losses people compare against (docs/design.md §2; their loss modes are in
+`stppo.algos.baselines`), none with a critic:
 
 | preset       | ratio    | loss_mode | advantage    | fixes                                          |
 |--------------|----------|-----------|--------------|------------------------------------------------|
@@ -34,88 +38,55 @@ its conf/algo/<name>.yaml:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
-from stppo.algos.aggregation import LOSS_AGGS
-from stppo.algos.baselines import check_loss_mode
-from stppo.algos.clip_bias import CORRECTIONS, DEFAULT_TAU, Correction
-from stppo.algos.policy import policy_loss
-from stppo.algos.ratios import RATIO_LEVELS
+from stppo.algos.clip_bias import CORRECTIONS, Correction
+from stppo.algos.spec import DEFAULT_CLIP, DEFAULT_LOSS_AGG, LossSpec
 from stppo.registry import Registry
-
-DEFAULT_LOSS_AGG = "seq-mean-token-mean"
-# The keyword-only arguments of `policy_loss`: what `Preset.loss_kwargs` may fix or override.
-POLICY_LOSS_KEYWORDS = frozenset(
-    name for name, p in inspect.signature(policy_loss).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclass(frozen=True)
 class Preset:
+    """The one definition of a named loss (conf/algo/<name>.yaml only names it). Every field a
+    run does not override comes from here (`stppo.config.AlgoConfig`); `spec()` is the preset's
+    own `LossSpec`, validated when the preset is defined."""
+
     name: str
     ratio_level: str  # RATIO_LEVELS
     correction: str  # CORRECTIONS kind
     advantage: str  # ADVANTAGE_ESTIMATORS
-    uses_critic: bool
+    use_critic: bool
     loss_agg: str = DEFAULT_LOSS_AGG  # LOSS_AGGS
-    tau: Optional[float] = None  # correction τ; None → DEFAULT_TAU[correction]
-    loss_mode: str = "clip"  # stppo.algos.baselines.LOSS_MODES
-    options: Optional[Mapping[str, float]] = field(default=None, hash=False)  # → all resolved
-    clip_low: Optional[float] = None  # ε_low the preset fixes; None: the caller's
-    clip_high: Optional[float] = None  # ε_high the preset fixes; None: the caller's
+    tau: Optional[float] = None  # correction τ; None → the kind's default (DEFAULT_TAU)
+    loss_mode: str = "clip"  # stppo.algos.modes.LOSS_MODES
+    options: Optional[Mapping[str, float]] = field(default=None, hash=False)  # the mode's, over its defaults
+    clip_low: float = DEFAULT_CLIP  # ε_low
+    clip_high: float = DEFAULT_CLIP  # ε_high
     dynamic_sampling: bool = False  # DAPO's (conf: algo.dynamic_sampling.enabled)
     overlong: bool = False  # DAPO's overlong reward shaping (conf: algo.overlong.enabled)
 
     def __post_init__(self) -> None:
-        for name, value, reg in (("ratio_level", self.ratio_level, RATIO_LEVELS),
-                                 ("correction", self.correction, CORRECTIONS),
-                                 ("advantage", self.advantage, ADVANTAGE_ESTIMATORS),
-                                 ("loss_agg", self.loss_agg, LOSS_AGGS)):
-            if value not in reg:
-                raise ValueError(f"preset {self.name!r}: {name}={value!r} is not valid; "
-                                 f"allowed: {', '.join(reg)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"preset {self.name!r}: correction={self.correction!r} is not valid; "
+                             f"allowed: {', '.join(CORRECTIONS)}")
         if self.tau is None:
-            object.__setattr__(self, "tau", DEFAULT_TAU[self.correction])
+            object.__setattr__(self, "tau", CORRECTIONS[self.correction].default_tau)
         try:
-            opts = check_loss_mode(self.loss_mode, ratio_level=self.ratio_level,
-                                   correction_kind=self.correction, options=self.options)
+            spec = self.spec()
         except ValueError as e:
             raise ValueError(f"preset {self.name!r}: {e}") from None
-        object.__setattr__(self, "options", MappingProxyType(opts))
+        object.__setattr__(self, "options", spec.options)
 
-    def correction_spec(self, tau: Optional[float] = None, estimator: str = "token",
-                        granularity: str = "batch") -> Optional[Correction]:
-        """The `correction` argument of `policy_loss` (None for 'none'); τ None → the preset's.
-        Invalid knobs raise `Correction`'s one-line ValueError."""
-        if self.correction == "none":
-            return None
-        return Correction(self.correction, self.tau if tau is None else tau, estimator,
-                          granularity)
-
-    def loss_kwargs(self, **overrides: Any) -> dict[str, Any]:
-        """Every `policy_loss` keyword this preset fixes (ratio_level, loss_agg, correction,
-        loss_mode, options, and clip_low / clip_high where it fixes them), updated with
-        `overrides` — any keyword of `policy_loss` (clip_low, clip_high, dual_clip, a
-        `correction_spec(...)` with other knobs, ...). An unknown name raises ValueError listing
-        the valid ones. Callers outside the trainer (the verl plugin) build their call from this,
-        so a new preset needs no change there."""
-        allowed = POLICY_LOSS_KEYWORDS
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ValueError(f"preset {self.name!r}: {', '.join(unknown)} not keyword(s) of "
-                             f"policy_loss; allowed: {', '.join(sorted(allowed))}")
-        out = {"ratio_level": self.ratio_level, "loss_agg": self.loss_agg,
-               "correction": self.correction_spec()}
-        if self.loss_mode != "clip":
-            out.update(loss_mode=self.loss_mode, options=dict(self.options))
-        out.update({k: v for k, v in (("clip_low", self.clip_low), ("clip_high", self.clip_high))
-                    if v is not None})
-        out.update(overrides)
-        return out
+    def spec(self, **changes: Any) -> LossSpec:
+        """The preset's `LossSpec`, with `changes` (LossSpec fields) applied."""
+        base = LossSpec(
+            name=self.name, ratio_level=self.ratio_level, clip_low=self.clip_low,
+            clip_high=self.clip_high, loss_agg=self.loss_agg,
+            correction=None if self.correction == "none" else Correction(self.correction, self.tau),
+            loss_mode=self.loss_mode, options=dict(self.options or {}), advantage=self.advantage,
+            use_critic=self.use_critic)
+        return base.replace(**changes) if changes else base
 
 
 PRESETS: Registry[Preset] = Registry("algo preset")

@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from stppo.algos import (agg_loss, agg_weights, clip_bias_term, clipped_surrogate,
-                         importance_ratio, kl_loss, policy_loss, sampler_mismatch, turn_breakdown)
+from stppo.algos import (LossSpec, agg_loss, agg_weights, clip_bias_term, clipped_surrogate,
+                         importance_ratio, kl_loss, policy_loss, sampler_mismatch,
+                         truncated_is_weights, turn_breakdown)
 from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
 from stppo.batch import Batch
-from stppo.config import AlgoConfig
 from stppo.tracking import ENTROPY, PG_LOSS
-from stppo.train.baselines import loss_extras
 from stppo.train.distributed import Dist
 
 if TYPE_CHECKING:
@@ -57,39 +56,43 @@ def old_log_probs(lp: torch.Tensor, mb: Batch) -> torch.Tensor:
     return mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
 
 
-def correction(algo: AlgoConfig):
-    c = algo.correction
-    return None if c.kind == "none" else c
+def grad_estimator(spec: LossSpec) -> bool:
+    return spec.correction is not None and spec.correction.estimator == "grad"
 
 
-def grad_estimator(algo: AlgoConfig) -> bool:
-    c = correction(algo)
-    return c is not None and c.estimator == "grad"
+def tis_weights(spec: LossSpec, mb: Batch, old: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rollout correction's truncated IS weights ω (n, T) between the sampler's log-probs
+    and π_old `old`, or None without one (`spec.rollout_is`)."""
+    if spec.rollout_is.kind == "none":
+        return None
+    if mb.rollout_log_probs is None:
+        raise ValueError("algo.rollout_is.kind=token needs the sampler's log-probs "
+                         "(Batch.rollout_log_probs)")
+    w, _ = truncated_is_weights(old, mb.rollout_log_probs, mb.loss_mask, spec.rollout_is.threshold)
+    return w
 
 
 def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: "UpdateContext",
                scope: Scope, params: Optional[list] = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of rows `mb` from their log-probs `lp` and entropies `ent` (n, T).
     `params`: the policy parameters, read by the `grad` estimator unless `scope` brings ‖C‖."""
-    algo, d = ctx.algo, ctx.dist
+    algo, spec, d = ctx.algo, ctx.algo.spec, ctx.dist
     old = old_log_probs(lp, mb)
-    grad_est = grad_estimator(algo)
-    loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids,
-                          ratio_level=algo.ratio_level, clip_low=algo.clip_low,
-                          clip_high=algo.clip_high, loss_agg=algo.loss_agg,
-                          correction=correction(algo), dual_clip=algo.dual_clip,
-                          global_denoms=scope.denoms, reduce=scope.reduce,
-                          params=params if grad_est else None,
-                          correction_grad_norm=scope.correction_grad_norm if grad_est else None,
-                          **loss_extras(algo, mb, old))  # baselines: loss_mode, options, TIS
-    entropy = agg_loss(ent, mb.loss_mask, algo.loss_agg, scope.denoms)
+    grad_est = grad_estimator(spec)
+    out = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids, spec,
+                      global_denoms=scope.denoms, reduce=scope.reduce,
+                      params=params if grad_est else None,
+                      rollout_is_weights=tis_weights(spec, mb, old),
+                      correction_grad_norm=scope.correction_grad_norm if grad_est else None)
+    loss, m = out.loss, out.metrics
+    entropy = agg_loss(ent, mb.loss_mask, spec.loss_agg, scope.denoms)
     if scope.metrics:
         m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
-        m.update(diagnostics(lp, ent, old, mb, ctx))
+        m.update(diagnostics(out, lp, ent, old, mb, ctx))
         m[ENTROPY] = d.all_sum(entropy.detach())
     if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
         kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
-                         loss_agg=algo.loss_agg, global_denoms=scope.denoms)
+                         loss_agg=spec.loss_agg, global_denoms=scope.denoms)
         loss = loss + algo.kl.coef * kl
         if scope.metrics:
             m.update({k: d.all_sum(v) for k, v in km.items()})
@@ -98,41 +101,33 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: "UpdateConte
     return loss, m
 
 
-def ratio_clipped(lp: torch.Tensor, old: torch.Tensor, mb: Batch, algo: AlgoConfig,
-                  advantages: Optional[torch.Tensor] = None):
-    """(ρ at the preset's ratio level (with lp's graph), masked A, κ the clip-bound indicator)."""
-    ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, algo.ratio_level)
-    adv = torch.where(mb.loss_mask, mb.advantages if advantages is None else advantages, 0.0)
-    clipped = clipped_surrogate(ratio, adv, algo.clip_low, algo.clip_high, algo.dual_clip).clipped
-    return ratio, adv, clipped
-
-
-def clip_bias_of(lp: torch.Tensor, mb: Batch, algo: AlgoConfig, denoms: GlobalDenoms, *,
+def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDenoms, *,
                  as_corrected: bool = False) -> torch.Tensor:
     """agg(κ ρ A) of rows `mb` with lp's graph — its gradient is the clipping bias C — weighted
     as in the minibatch (`denoms`), so the parts' terms sum to the minibatch's. `as_corrected`:
     the term the `grad` estimator corrects with, ωA in place of A under TIS (the clip path's
-    advantages, `stppo.algos.baselines`); else the diagnostic's, with A."""
+    advantages, `stppo.algos.modes`); else the diagnostic's, with A."""
     old = old_log_probs(lp, mb)
-    adv = None
-    if as_corrected:
-        w = loss_extras(algo, mb, old).get("rollout_is_weights")
-        adv = None if w is None else mb.advantages * w
-    ratio, adv, clipped = ratio_clipped(lp, old, mb, algo, adv)
-    w = agg_weights(mb.loss_mask, algo.loss_agg, denoms, ratio.dtype)
-    return clip_bias_term(ratio, adv, clipped, mb.loss_mask, algo.loss_agg, weights=w)
+    adv = mb.advantages
+    w = tis_weights(spec, mb, old) if as_corrected else None
+    if w is not None:
+        adv = mb.advantages * w
+    ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, spec.ratio_level)  # with graph
+    adv = torch.where(mb.loss_mask, adv, 0.0)
+    clipped = clipped_surrogate(ratio, adv, spec.clip_low, spec.clip_high, spec.dual_clip).clipped
+    w = agg_weights(mb.loss_mask, spec.loss_agg, denoms, ratio.dtype)
+    return clip_bias_term(ratio, adv, clipped, mb.loss_mask, spec.loss_agg, weights=w)
 
 
-def diagnostics(lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
+def diagnostics(out, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
                 ctx: "UpdateContext") -> dict[str, torch.Tensor]:
-    """The minibatch's per-turn breakdown and sampler-vs-trainer mismatch (DESIGN.md §4)."""
+    """The minibatch's per-turn breakdown (from the loss's own ρ and κ, `out`) and
+    sampler-vs-trainer mismatch (docs/design.md §4)."""
     m: dict[str, torch.Tensor] = {}
     if ctx.max_turns:
-        with torch.no_grad():
-            ratio, _, clipped = ratio_clipped(lp.detach(), old, mb, ctx.algo)
-        m.update(turn_breakdown(ratio, lp, old, mb.advantages, ent, clipped, mb.loss_mask,
-                                mb.turn_ids, ctx.max_turns))
+        m.update(turn_breakdown(out.ratio, lp, old, mb.advantages, ent, out.clipped,
+                                mb.loss_mask, mb.turn_ids, ctx.max_turns))
     if mb.rollout_log_probs is not None:
         m.update(sampler_mismatch(old, mb.rollout_log_probs, mb.loss_mask,
-                                  ctx.algo.rollout_is.threshold))
+                                  ctx.algo.spec.rollout_is.threshold))
     return m

@@ -1,8 +1,8 @@
 """The gradient of one minibatch's loss, accumulated over micro-batches (`trainer.micro_batch_size`
 rows at a time, per rank): the same loss, gradient and metrics as the whole minibatch in one
-forward, with the activations of one micro-batch alive at a time (DESIGN.md §6).
+forward, with the activations of one micro-batch alive at a time (docs/design.md §6).
 
-Two ways, chosen by the loss (`stppo.algos.loss_is_separable`):
+Two ways, chosen by the loss (`LossSpec.separable`):
 
   shares      the loss is a sum over trajectories once its denominators are the minibatch's
               (D_tok, D_seq over ranks, `global_denoms`): each part backwards its own share.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from stppo.algos import agg_denoms, clip_bias_grad_norm, loss_is_separable, value_loss
+from stppo.algos import agg_denoms, clip_bias_grad_norm, value_loss
 from stppo.algos.aggregation import weighted_sum
 from stppo.algos.clip_bias import Reduce, grads_norm, term_grads
 from stppo.batch import Batch
@@ -104,8 +104,7 @@ def actor_backward(policy, mb: Batch, ctx: "UpdateContext", params: list[torch.T
     if len(parts) == 1:
         return _actor_whole(policy, mb, ctx, params, exact_bias)
     denoms = minibatch_denoms(mb.loss_mask, ctx.dist)
-    way = _actor_shares if loss_is_separable(ctx.algo.loss_mode, ctx.algo.correction) \
-        else _actor_linearised
+    way = _actor_shares if ctx.algo.spec.separable else _actor_linearised
     return way(policy, mb, parts, denoms, ctx, params, exact_bias)
 
 
@@ -117,7 +116,7 @@ def whole_actor_loss(policy, mb: Batch, ctx: "UpdateContext", params: list[torch
         lp, ent = _forward(policy, ctx)(mb)
         loss, m = actor_loss(lp, ent, mb, ctx, scope, params)
         if exact_bias:  # exact ‖C‖ from the same forward graph
-            term = clip_bias_of(lp, mb, ctx.algo, scope.denoms)
+            term = clip_bias_of(lp, mb, ctx.algo.spec, scope.denoms)
             m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, scope.reduce)
     return loss, m
 
@@ -134,7 +133,7 @@ def _actor_shares(policy, mb, parts, denoms, ctx, params, exact_bias):
 
     def objective(k: int, part: Batch, out: Outputs) -> torch.Tensor:
         if bias is not None:
-            bias.add(clip_bias_of(out[0], part, ctx.algo, denoms))
+            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms))
         return actor_loss(*out, part, ctx, share(denoms))[0]
 
     lp, ent = backward_parts(parts, _forward(policy, ctx), objective, ctx)
@@ -147,9 +146,9 @@ def _actor_shares(policy, mb, parts, denoms, ctx, params, exact_bias):
 
 def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
     c_norm = None
-    if grad_estimator(ctx.algo):  # ‖C‖ of the minibatch first: C accumulates in .grad
+    if grad_estimator(ctx.algo.spec):  # ‖C‖ of the minibatch first: C accumulates in .grad
         lp, ent = backward_parts(parts, _forward(policy, ctx), lambda k, part, out: clip_bias_of(
-            out[0], part, ctx.algo, denoms, as_corrected=True), ctx)
+            out[0], part, ctx.algo.spec, denoms, as_corrected=True), ctx)
         c_norm = grads_norm([p.grad for p in params], params, ctx.dist.reduce)
         for p in params:
             p.grad = None
@@ -168,7 +167,7 @@ def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
     def objective(k: int, part: Batch, out: Outputs) -> torch.Tensor:
         rows = slice(starts[k], starts[k] + len(part))
         if bias is not None:
-            bias.add(clip_bias_of(out[0], part, ctx.algo, denoms))
+            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms))
         obj = weighted_sum(out[0], g_lp[rows])  # Σ g ℓ_θ
         return obj if g_ent is None else obj + weighted_sum(out[1], g_ent[rows])  # + Σ h H_θ
 

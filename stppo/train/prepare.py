@@ -86,7 +86,7 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
-        lam=algo.lam, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce)
+        lam=algo.gae_lambda, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce)
     mean, std, mx, mn = masked_stats(adv, batch.loss_mask)
     metrics.update({ADV_MEAN: mean, ADV_STD: std, ADV_MAX: mx, ADV_MIN: mn,
                     RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})

@@ -59,7 +59,7 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     tr, algo = cfg.trainer, cfg.algo
     one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
     kl_reads_old = algo.kl.coef > 0 and algo.kl.in_reward
-    corrects_rollout = algo.rollout_is.kind != "none"
+    corrects_rollout = algo.spec.rollout_is.kind != "none"
     return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not corrects_rollout
 
 

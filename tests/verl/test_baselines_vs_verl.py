@@ -26,9 +26,10 @@ import pytest
 import torch
 
 from stppo import tracking as K
-from stppo.algos import (agg_loss, policy_loss, reinforce_pp_advantages, rloo_advantages,
+from stppo.algos import (agg_loss, reinforce_pp_advantages, rloo_advantages,
                          truncated_is_weights)
 
+from keyword_loss import policy_loss  # the spec's fields as keywords
 from verl.trainer.config import AlgoConfig as VerlAlgoConfig
 from verl.trainer.ppo import core_algos as core
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stppo.algos import LOSS_MODES, PRESETS, policy_loss
-from stppo.algos.presets import POLICY_LOSS_KEYWORDS
+from stppo.algos import LOSS_MODES, PRESETS, Correction, policy_loss
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.tracking import (CLIP_BIAS_SCALE, PG_CLIPFRAC, PG_CLIPFRAC_LOWER, PG_LOSS, PPO_KL)
 from verl_batch import floats, make_batch, run_ppo_loss
@@ -32,12 +31,14 @@ def reference(b, name, loss_agg, global_denoms, tau=None, granularity="batch", c
     preset = PRESETS[name]
     lp = b.log_prob.clone().requires_grad_(True)
     mask = b.mask
-    loss, m = policy_loss(lp, b.old_log_probs, b.advantages, mask, turn_ids_from_mask(mask),
-                          **preset.loss_kwargs(
-                              loss_agg=loss_agg, clip_low=clip, clip_high=clip,
-                              dual_clip=c if LOSS_MODES[preset.loss_mode].dual_clip else None,
-                              correction=preset.correction_spec(tau, "token", granularity),
-                              global_denoms=global_denoms))
+    correction = (None if preset.correction == "none" else
+                  Correction(preset.correction, preset.tau if tau is None else tau, "token",
+                             granularity))
+    spec = preset.spec(loss_agg=loss_agg, clip_low=clip, clip_high=clip,
+                       dual_clip=c if LOSS_MODES[preset.loss_mode].dual_clip else None,
+                       correction=correction)
+    loss, m = policy_loss(lp, b.old_log_probs, b.advantages, mask, turn_ids_from_mask(mask), spec,
+                          global_denoms=global_denoms)
     loss.backward()
     return loss.detach(), lp.grad, {k: float(v) for k, v in m.items()}
 
@@ -173,8 +174,5 @@ def test_rollout_is_weights_reach_policy_loss_or_fail_clearly(actor_config):
     w = torch.rand_like(b.log_prob)
     args = dict(old_log_prob=b.old_log_probs, log_prob=b.log_prob, advantages=b.advantages,
                 response_mask=b.mask, loss_agg_mode="token-mean", config=cfg)
-    if "rollout_is_weights" not in POLICY_LOSS_KEYWORDS:
-        with pytest.raises(ValueError, match="verl passed rollout_is_weights .* takes none"):
-            fn(**args, rollout_is_weights=w)
-    else:  # policy_loss multiplies the per-token loss by the weights (verl's semantics)
-        assert float(fn(**args, rollout_is_weights=w)[0]) != float(fn(**args)[0])
+    # policy_loss multiplies the per-token loss by the weights (verl's semantics)
+    assert float(fn(**args, rollout_is_weights=w)[0]) != float(fn(**args)[0])

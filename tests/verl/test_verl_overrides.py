@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from local_model import make_local_model
 
-from stppo.algos import PRESETS
+from stppo.algos import PRESETS, LossSpec
 from stppo.config import compose, to_config
 from stppo.integrations.verl import overrides as O
 
@@ -67,10 +67,10 @@ def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, mode
     p = PRESETS[preset]
     loss = b["actor"].policy_loss
     assert type(loss).__name__ == "StppoPolicyLossConfig" and loss.loss_mode == f"stppo_{preset}"
-    assert (loss.tau, loss.estimator, loss.granularity) == (cfg.algo.correction.tau, "token", "batch")
+    assert LossSpec.from_dict(loss.spec) == cfg.algo.spec  # the run's whole loss travels
     assert loss.max_turns == cfg.task.max_turns == 4  # the per-turn metrics' K
     assert b["algorithm"].adv_estimator == O.ADV_ESTIMATORS[p.advantage]
-    assert (b["critic"] is not None) == p.uses_critic
+    assert (b["critic"] is not None) == p.use_critic
     a = b["actor"]
     assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (
         cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.loss_agg)
@@ -142,10 +142,10 @@ def test_the_baselines_settings_reach_verl(model_dir):
     assert ob.enable and ob.len == 64 and c.reward.reward_kwargs.max_resp_len == c.data.max_response_length
     assert a.clip_ratio_c == O.NO_DUAL_CLIP  # stppo's dual_clip=null
 
-    cfg, c, b = translate([*SMALL, "algo=sapo", "algo.loss_options.tau_pos=2.5", f"model.path={model_dir}"],
+    cfg, c, b = translate([*SMALL, "algo=sapo", "+algo.loss_options.tau_pos=2.5", f"model.path={model_dir}"],
                           model_dir)
-    assert dict(b["actor"].policy_loss.options) == dict(cfg.algo.loss_options)
-    assert b["actor"].policy_loss.options["tau_pos"] == 2.5
+    assert dict(b["actor"].policy_loss.spec["options"]) == dict(cfg.algo.loss_options)
+    assert b["actor"].policy_loss.spec["options"]["tau_pos"] == 2.5
 
     cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_is.kind=token", "algo.rollout_is.threshold=3.0",
                            f"model.path={model_dir}"], model_dir)
@@ -153,7 +153,10 @@ def test_the_baselines_settings_reach_verl(model_dir):
     assert (rc["rollout_is"], rc["rollout_is_threshold"]) == ("token", 3.0)
 
 
-def test_a_loss_mode_other_than_the_presets_is_one_clear_error(model_dir):
-    with pytest.raises(ValueError, match="algo.loss_mode=cispo differs from preset ppo"):
-        translate([*SMALL, "algo=ppo", "algo.loss_mode=cispo", "algo.clip_low=0.99",
-                   f"model.path={model_dir}"], model_dir)
+def test_a_loss_other_than_the_presets_reaches_verl(model_dir):
+    """Any override of the loss travels in the spec: verl's stppo_ppo computes cispo here."""
+    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.loss_mode=cispo", "algo.clip_low=0.99",
+                           f"model.path={model_dir}"], model_dir)
+    loss = b["actor"].policy_loss
+    assert loss.loss_mode == "stppo_ppo" and LossSpec.from_dict(loss.spec).loss_mode == "cispo"
+    assert LossSpec.from_dict(loss.spec) == cfg.algo.spec

@@ -7,9 +7,13 @@ Name this subclass instead, with the knobs as new keys (PL = actor_rollout_ref.a
     PL.loss_mode=stppo_st_ppo  +PL.tau=0.5  +PL.granularity=sequence  +PL.max_turns=4
 
 Only what verl has no field for lives here: clip ranges stay verl's `actor.clip_ratio_low/high`,
-the dual clip its `actor.clip_ratio_c`, the aggregation its `actor.loss_agg_mode`. Importing this
-module registers the losses (`plugin`), so the `_target_` alone suffices where the entry point is
-disabled. Invalid knobs fail when verl instantiates the actor config, with one line.
+the dual clip its `actor.clip_ratio_c`, the aggregation its `actor.loss_agg_mode`. stppo's
+launcher sends the run's whole `LossSpec` instead of the knobs (`spec`, its `to_dict()`), and
+for a researcher's preset the stabiliser's import path (`plugin`): the config then registers that
+preset's `stppo_<name>` loss in the process that builds it (verl's driver and workers alike).
+Importing this module registers the built-in presets' losses (`plugin`), so the `_target_` alone
+suffices where the entry point is disabled. Invalid knobs fail when verl instantiates the actor
+config, with one line.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Optional
 from verl.workers.config import PolicyLossConfig
 
 from stppo.integrations.verl import plugin  # noqa: F401 — first: registers, or warns and raises
-from stppo.algos import PRESETS, resolve_options  # noqa: E402
+from stppo.algos import PRESETS, Correction, LossSpec, resolve_options  # noqa: E402
 from stppo.integrations.verl import LOSS_PREFIX, POLICY_LOSS_TARGET  # noqa: E402
 from stppo.integrations.verl.losses import DEFAULT_MAX_TURNS, GRAD_ESTIMATOR_ERROR  # noqa: E402
 
@@ -37,6 +41,8 @@ class StppoPolicyLossConfig(PolicyLossConfig):
     options: the loss mode's options (e.g. sapo's tau_pos / tau_neg) over the preset's.
     max_turns: K of the per-turn metrics `turn/k{k}/*`, k < K (the launcher: task.max_turns, 0
         with diagnostics.per_turn=false); a diagnostic, so any loss mode accepts it.
+    spec: the run's `LossSpec.to_dict()` (stppo's launcher sends it); over the knobs above.
+    plugin: a researcher's stabiliser, 'module.path:function', for the preset `spec` names.
     """
 
     tau: Optional[float] = None
@@ -44,10 +50,15 @@ class StppoPolicyLossConfig(PolicyLossConfig):
     granularity: str = "batch"
     options: dict = field(default_factory=dict)
     max_turns: int = DEFAULT_MAX_TURNS
+    spec: dict = field(default_factory=dict)
+    plugin: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_turns, int) or self.max_turns < 0:
             raise ValueError(f"actor.policy_loss.max_turns must be an integer >= 0, got {self.max_turns!r}")
+        if (self.spec or self.plugin) and self.loss_mode.startswith(LOSS_PREFIX):
+            self._register_sent()  # (another loss mode — verl's own — ignores what stppo sent)
+            return
         if self.estimator == "grad":
             raise ValueError(f"actor.policy_loss.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
         if not self.loss_mode.startswith(LOSS_PREFIX):
@@ -59,8 +70,31 @@ class StppoPolicyLossConfig(PolicyLossConfig):
         if name not in PRESETS:
             raise ValueError(f"actor.policy_loss.loss_mode={self.loss_mode!r} is not an stppo "
                              f"loss; allowed: {', '.join(LOSS_PREFIX + p for p in PRESETS)}")
+        p = PRESETS[name]
         try:
-            PRESETS[name].correction_spec(self.tau, self.estimator, self.granularity)
-            resolve_options(PRESETS[name].loss_mode, {**PRESETS[name].options, **dict(self.options)})
+            if p.correction != "none":
+                Correction(p.correction, p.tau if self.tau is None else self.tau, self.estimator,
+                           self.granularity)
+            resolve_options(p.loss_mode, {**p.options, **dict(self.options)})
         except ValueError as exc:
             raise ValueError(f"actor.policy_loss ({self.loss_mode}): {exc}") from None
+
+    def _register_sent(self) -> None:
+        """A spec (and stabiliser) sent by stppo's launcher: validated, and its loss registered."""
+        from stppo.algos.plugins import register_stabiliser
+        from stppo.integrations.verl.plugin import register
+
+        spec = dict(self.spec)
+        name = spec.get("name") or self.loss_mode[len(LOSS_PREFIX):]
+        try:
+            if self.plugin:
+                register_stabiliser(name, self.plugin)
+            loss = LossSpec.from_dict({**spec, "name": name})
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"actor.policy_loss ({self.loss_mode}): {exc}") from None
+        if loss.correction is not None and loss.correction.estimator == "grad":
+            raise ValueError(f"actor.policy_loss.spec: {GRAD_ESTIMATOR_ERROR}")
+        if self.loss_mode != LOSS_PREFIX + name:
+            raise ValueError(f"actor.policy_loss.loss_mode={self.loss_mode!r} does not name the "
+                             f"spec's preset {name!r} ({LOSS_PREFIX + name})")
+        register([name])

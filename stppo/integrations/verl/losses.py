@@ -18,8 +18,9 @@ mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
   `clip_ratio_c` (verl's own losses always apply the dual clip; default 3.0);
 - aggregation: verl's `loss_agg_mode` (same names as stppo's `loss_agg`) with the global
   denominators of `verl_global_denoms`, so the micro-batch losses sum like verl's own;
-- correction knobs τ, estimator, granularity: `config.policy_loss.{tau,estimator,granularity}`
-  when the policy-loss config is `StppoPolicyLossConfig` (`config.py`), else the preset's;
+- the rest of the loss — ratio level, correction, loss mode and options, … — from the run's
+  `LossSpec` that the launcher sends (`config.policy_loss.spec`, `StppoPolicyLossConfig`), else
+  from the preset with the config's knobs τ, estimator, granularity, options (`config.py`);
 - per-turn metrics for turns 0..K−1, K = `config.policy_loss.max_turns` (`DEFAULT_MAX_TURNS`
   without it; 0 = none), in the token-weighted form of `verl_turn_metrics`.
 """
@@ -30,13 +31,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from stppo.algos import LOSS_MODES, Preset, policy_loss
+from stppo.algos import LOSS_MODES, PRESETS, Correction, LossSpec, policy_loss
 from stppo.algos.aggregation import agg_denoms
 from stppo.algos.breakdown import turn_breakdown
-from stppo.algos.presets import POLICY_LOSS_KEYWORDS
-from stppo.algos.ratios import importance_ratio
 from stppo.algos.segments import turn_ids_from_mask
-from stppo.algos.surrogate import clipped_surrogate
 from stppo.integrations.verl import loss_mode
 from stppo.integrations.verl.metrics import TURN_WEIGHT, TURN_WEIGHTED
 from stppo.tracking import PG_CLIPFRAC_LOWER, turn_key
@@ -124,31 +122,35 @@ def _clip_ranges(config: Any) -> tuple[float, float, float]:
             float(getattr(config, "clip_ratio_c", 3.0)))
 
 
-def verl_call_kwargs(preset: Preset, loss_agg_mode: str, config: Any,
-                     loss_mask: torch.Tensor) -> dict[str, Any]:
-    """The keywords of `policy_loss` for one verl call: `preset.loss_kwargs(...)` with verl's
-    aggregation, clip ranges and global denominators and the config's correction knobs."""
+def verl_spec(name: str, loss_agg_mode: str, config: Any) -> LossSpec:
+    """The `LossSpec` of one verl call of `stppo_<name>`: the run's spec sent by the launcher
+    (`config.policy_loss.spec`), else the preset's with the config's knobs — in either case with
+    verl's own clip ranges, dual clip (for the modes that have one) and aggregation."""
     if config is None:
         raise ValueError("stppo's verl losses need verl's actor config (config=None)")
-    loss_agg = verl_loss_agg(loss_agg_mode)
-    tau, estimator, granularity, options = _knobs(config)
-    if estimator == "grad":
+    sent = getattr(getattr(config, "policy_loss", None), "spec", None)
+    if sent:
+        base = LossSpec.from_dict(sent)
+    else:
+        tau, estimator, granularity, options = _knobs(config)
+        preset = PRESETS[name]
+        correction = (None if preset.correction == "none" else
+                      Correction(preset.correction, preset.tau if tau is None else tau, estimator,
+                                 granularity))
+        base = preset.spec(correction=correction, options={**preset.options, **options})
+    if base.correction is not None and base.correction.estimator == "grad":
         raise ValueError(GRAD_ESTIMATOR_ERROR)
     clip_low, clip_high, dual_clip = _clip_ranges(config)
-    if not LOSS_MODES[preset.loss_mode].dual_clip:  # verl's c applies to the modes that have one
+    if not LOSS_MODES[base.loss_mode].dual_clip:  # verl's c applies to the modes that have one
         dual_clip = None
-    info = getattr(config, "global_batch_info", None) or {}
-    extra = {"options": {**preset.options, **options}} if options else {}
-    return preset.loss_kwargs(
-        loss_agg=loss_agg, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        correction=preset.correction_spec(tau, estimator, granularity),
-        global_denoms=verl_global_denoms(loss_mask, loss_agg, **dict(info)), **extra)
+    return base.replace(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                        loss_agg=verl_loss_agg(loss_agg_mode))
 
 
 @torch.no_grad()
-def verl_turn_metrics(ratio: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
-                      advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor,
-                      kwargs: dict[str, Any], max_turns: int) -> dict[str, torch.Tensor]:
+def verl_turn_metrics(ratio: torch.Tensor, clipped: torch.Tensor, log_prob: torch.Tensor,
+                      old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      turn_ids: torch.Tensor, max_turns: int) -> dict[str, torch.Tensor]:
     """stppo's per-turn breakdown (`stppo.algos.breakdown.turn_breakdown`) of one micro-batch in
     the form verl can average: every key for every turn k < K, each value weighted by its turn's
     agent tokens per row,
@@ -156,7 +158,7 @@ def verl_turn_metrics(ratio: torch.Tensor, log_prob: torch.Tensor, old_log_prob:
         turn/k{k}/tokens = c_k / n,      turn/k{k}/{name} = v_k · c_k / n      (0 where c_k = 0)
 
     with c_k the micro-batch's agent tokens of turn k, n its rows and v_k the turn's value (κ, ρ
-    at the preset's ratio level, A, −δ; ρ's max). Why: verl averages a loss metric over
+    at the spec's ratio level — the loss's own, `LossOutput` — A, −δ; ρ's max). Why: verl averages a loss metric over
     micro-batches, ranks and mini-batches, and `Metric.aggregate_dp` fails when ranks return a key
     a different number of times — a key present only where the turn has tokens would stop a
     data-parallel update. The ratio of the two averages is the turn's token mean over the
@@ -165,9 +167,7 @@ def verl_turn_metrics(ratio: torch.Tensor, log_prob: torch.Tensor, old_log_prob:
     if max_turns < 1:
         return {}
     zero = ratio.new_zeros(())
-    adv = torch.where(mask, advantages, 0.0)  # (N, T) finite, as the surrogate needs
-    clipped = clipped_surrogate(ratio, adv, kwargs["clip_low"], kwargs["clip_high"],
-                                kwargs["dual_clip"]).clipped  # (N, T) κ at the preset's level
+    adv = torch.where(mask, advantages, 0.0)  # (N, T) finite
     per = turn_breakdown(ratio, log_prob, old_log_prob, adv, torch.zeros_like(ratio), clipped,
                          mask, turn_ids, max_turns)
     out: dict[str, torch.Tensor] = {}
@@ -189,35 +189,31 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(keys, values))
 
 
-def make_verl_loss(preset: Preset) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """verl's policy-loss function of `preset`, to register as `loss_mode(preset.name)`."""
+def make_verl_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """verl's policy-loss function of preset `name`, to register as `loss_mode(name)`."""
 
     def loss_fn(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
                 config: Any = None, rollout_is_weights: Optional[torch.Tensor] = None,
                 ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0  # (N, T)
-        kwargs = verl_call_kwargs(preset, loss_agg_mode, config, mask)
-        if rollout_is_weights is not None:
-            if "rollout_is_weights" not in POLICY_LOSS_KEYWORDS:
-                raise ValueError(f"{loss_mode(preset.name)}: verl passed rollout_is_weights "
-                                 "(algorithm.rollout_correction) but this stppo's policy_loss "
-                                 "takes none; disable algorithm.rollout_correction.rollout_is")
-            kwargs["rollout_is_weights"] = rollout_is_weights
+        spec = verl_spec(name, loss_agg_mode, config)
+        info = getattr(config, "global_batch_info", None) or {}
         turn_ids = turn_ids_from_mask(mask)  # (N, T)
-        loss, metrics = policy_loss(log_prob, old_log_prob, advantages, mask, turn_ids, **kwargs)
+        out = policy_loss(log_prob, old_log_prob, advantages, mask, turn_ids, spec,
+                          global_denoms=verl_global_denoms(mask, spec.loss_agg, **dict(info)),
+                          rollout_is_weights=rollout_is_weights)
+        metrics = out.metrics
         with torch.no_grad():
-            ratio, _ = importance_ratio(log_prob.detach(), old_log_prob, mask, turn_ids,
-                                        kwargs["ratio_level"])  # (N, T)
             metrics[PG_CLIPFRAC_LOWER] = (
-                dual_clip_fraction(ratio, advantages, mask, kwargs["dual_clip"])
-                if kwargs["dual_clip"] is not None else ratio.new_zeros(()))
-            metrics.update(verl_turn_metrics(ratio, log_prob, old_log_prob, advantages, mask,
-                                             turn_ids, kwargs, _max_turns(config)))
-        return loss, metrics_to_floats(metrics)
+                dual_clip_fraction(out.ratio, advantages, mask, spec.dual_clip)
+                if spec.dual_clip is not None else out.ratio.new_zeros(()))
+            metrics.update(verl_turn_metrics(out.ratio, out.clipped, log_prob, old_log_prob,
+                                             advantages, mask, turn_ids, _max_turns(config)))
+        return out.loss, metrics_to_floats(metrics)
 
-    loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(preset.name)
-    loss_fn.__doc__ = (f"verl policy loss '{loss_mode(preset.name)}': stppo preset "
-                       f"{preset.name!r} (stppo.integrations.verl.losses).")
-    loss_fn.stppo_preset = preset.name  # type: ignore[attr-defined]
+    loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(name)
+    loss_fn.__doc__ = (f"verl policy loss '{loss_mode(name)}': stppo preset {name!r} "
+                       "(stppo.integrations.verl.losses).")
+    loss_fn.stppo_preset = name  # type: ignore[attr-defined]
     return loss_fn

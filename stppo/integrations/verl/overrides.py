@@ -4,18 +4,19 @@
 What maps to what (one line per stppo setting; anything not listed has no verl counterpart and
 is rejected by `check_translatable` when it would change the run):
 
-  algo.name (preset)         policy_loss.loss_mode=stppo_<preset> with the plugin's config class
-                             (`_target_`, fields tau / estimator / granularity); the preset's
-                             advantage → algorithm.adv_estimator, its critic → critic.enable
+  algo (the run's LossSpec)  policy_loss.loss_mode=stppo_<preset> with the plugin's config class
+                             (`_target_`) carrying the whole spec (policy_loss.spec: ratio level,
+                             correction, loss mode and options, …) and, for a researcher's preset,
+                             the stabiliser's import path (policy_loss.plugin); the advantage →
+                             algorithm.adv_estimator, the critic → critic.enable
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
   algo.loss_agg              actor.loss_agg_mode
-  algo.loss_options          policy_loss.options (the stppo_* loss of a preset with a loss_mode)
   algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
   algo.dynamic_sampling      algorithm.filter_groups (enable, metric=reward, max_num_gen_batches)
   algo.overlong              reward.reward_manager.name=dapo, reward.reward_kwargs.overlong_buffer_cfg
   algo.kl (coef, estimator)  in_reward: algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.kl_coef;
                              else actor.use_kl_loss, kl_loss_coef, kl_loss_type
-  algo.gamma/lam             algorithm.gamma/lam
+  algo.gamma/gae_lambda      algorithm.gamma/lam
   algo.entropy_coef, vf_clip actor.entropy_coeff, critic.cliprange_value
   trainer.actor_lr/critic_lr actor.optim.lr / critic.optim.lr (+ weight_decay, max_grad_norm → optim.clip_grad)
   trainer.questions_per_step data.train_batch_size; group_size → rollout.n
@@ -42,9 +43,12 @@ from stppo.config import Config
 from stppo.integrations.verl import POLICY_LOSS_TARGET as LOSS_CONFIG_TARGET
 from stppo.integrations.verl import loss_mode
 
+GRAD_ESTIMATOR_ERROR = ("the 'grad' estimator needs the policy parameters, which verl does not "
+                        "pass to a policy loss; use algo.correction.estimator=token with backend=verl")
+
 # --- names shared with the policy-loss plugin (stppo/integrations/verl/{plugin,config}.py):
 # loss_mode(preset) = stppo_<preset>, LOSS_CONFIG_TARGET its PolicyLossConfig subclass
-LOSS_FIELDS = ("tau", "estimator", "granularity", "max_turns")  # extra fields of that PolicyLossConfig subclass
+LOSS_FIELDS = ("max_turns", "spec", "plugin")  # the fields of that PolicyLossConfig subclass the launcher sets
 # verl's losses (and the stppo_* plugin, which follows them) always apply the dual clip with
 # `clip_ratio_c` (default 3); stppo's `algo.dual_clip=null` means none, i.e. a bound never reached.
 NO_DUAL_CLIP = 1e9
@@ -113,17 +117,11 @@ def per_turn_count(cfg: Config) -> int:
 
 def check_translatable(cfg: Config) -> None:
     """Reject settings the verl backend cannot honour (one line naming the field)."""
-    from stppo.algos import PRESETS
 
     a, t = cfg.algo, cfg.trainer
-    p = PRESETS[a.name]
-    fixed = {"algo.ratio_level": (a.ratio_level, p.ratio_level), "algo.advantage": (a.advantage, p.advantage),
-             "algo.correction.kind": (a.correction.kind, p.correction), "algo.use_critic": (a.use_critic, p.uses_critic),
-             "algo.loss_mode": (a.loss_mode, p.loss_mode)}
-    for key, (mine, preset) in fixed.items():
-        if mine != preset:
-            raise ValueError(f"{key}={mine} differs from preset {a.name} ({preset}); with backend=verl the policy "
-                             f"loss is the preset's ({loss_mode(a.name)}): choose the preset with algo=NAME")
+    c = a.spec.correction
+    if c is not None and c.estimator == "grad":
+        raise ValueError(f"algo.correction.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
     if a.advantage not in ADV_ESTIMATORS:
         raise ValueError(f"algo.advantage={a.advantage} has no verl estimator; backend=verl supports "
                          f"{', '.join(ADV_ESTIMATORS)}")
@@ -171,7 +169,7 @@ def _data(cfg: Config, files: JobFiles) -> dict[str, Any]:
 def _algorithm(cfg: Config) -> dict[str, Any]:
     a = cfg.algo
     o: dict[str, Any] = {"algorithm.adv_estimator": ADV_ESTIMATORS[a.advantage], "algorithm.gamma": a.gamma,
-                         "algorithm.lam": a.lam, "algorithm.norm_adv_by_std_in_grpo": True,
+                         "algorithm.lam": a.gae_lambda, "algorithm.norm_adv_by_std_in_grpo": True,
                          "algorithm.use_kl_in_reward": a.kl.coef > 0 and a.kl.in_reward}
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
@@ -193,13 +191,13 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
 
 
 def _actor(cfg: Config) -> dict[str, Any]:
-    a, t, c = cfg.algo, cfg.trainer, cfg.algo.correction
+    a, t = cfg.algo, cfg.trainer
     pl = f"{ACTOR}.policy_loss"
     o: dict[str, Any] = {
         f"{pl}.loss_mode": loss_mode(a.name), f"{pl}._target_": LOSS_CONFIG_TARGET,
-        **{f"+{pl}.{name}": value for name, value in zip(
-            LOSS_FIELDS, (c.tau, c.estimator, c.granularity, per_turn_count(cfg)))},
-        **{f"+{pl}.options.{k}": v for k, v in a.loss_options.items()},
+        f"+{pl}.max_turns": per_turn_count(cfg),
+        **{f"+{pl}.spec.{key}": value for key, value in flat(a.spec.to_dict()).items()},
+        **({f"+{pl}.plugin": a.loss} if a.loss else {}),
         f"{ACTOR}.clip_ratio_low": a.clip_low, f"{ACTOR}.clip_ratio_high": a.clip_high,
         f"{ACTOR}.loss_agg_mode": a.loss_agg, f"{ACTOR}.entropy_coeff": a.entropy_coef,
         f"{ACTOR}.use_kl_loss": a.kl.coef > 0 and not a.kl.in_reward,
@@ -275,6 +273,17 @@ def env_overrides(env: Mapping[str, str]) -> list[str]:
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:~+-]+$")
 
 
+def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts → {'a.b': value} (an empty dict stays one entry: `{}` in the grammar)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def fmt(value: Any) -> str:
     """A value in Hydra's override grammar (strings quoted unless plainly safe)."""
     if value is None:
@@ -289,6 +298,8 @@ def fmt(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(fmt(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{fmt(v)}" for k, v in value.items()) + "}"
     text = str(value)
     if _PLAIN.match(text) and text not in ("null", "true", "false"):
         return text

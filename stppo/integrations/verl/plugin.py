@@ -17,27 +17,29 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def register() -> tuple[str, ...]:
-    """Register `stppo_<name>` for every name in `stppo.algos.PRESETS` (at load time, so a preset
-    added to the registry needs no change here). Registering again is a no-op for stppo's own
-    losses; a name held by another loss raises ValueError. Returns the registered names."""
+def register(names=None) -> tuple[str, ...]:
+    """Register `stppo_<name>` for each of `names` (default: every name in
+    `stppo.algos.PRESETS`, read at load time, so a preset added to the registry needs no change
+    here; a researcher's preset is registered by its policy-loss config, `config.py`).
+    Registering again is a no-op for stppo's own losses; a name held by another loss raises
+    ValueError. Returns the registered names."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
     from stppo.algos import PRESETS
     from stppo.integrations.verl import loss_mode
     from stppo.integrations.verl.losses import make_verl_loss
 
-    names = []
-    for preset in PRESETS:
+    out = []
+    for preset in (PRESETS if names is None else names):
         name = loss_mode(preset)
         held = POLICY_LOSS_REGISTRY.get(name)
         if held is not None and getattr(held, "stppo_preset", None) != preset:
             raise ValueError(f"verl's policy loss {name!r} is already registered by "
                              f"{getattr(held, '__module__', held)!r}")
         if held is None:
-            register_policy_loss(name)(make_verl_loss(PRESETS[preset]))
-        names.append(name)
-    return tuple(names)
+            register_policy_loss(name)(make_verl_loss(preset))
+        out.append(name)
+    return tuple(out)
 
 
 try:

@@ -1,0 +1,27 @@
+"""`policy_loss` called with the spec's fields as keywords, as the algorithm tests write their
+cases (`ratio_level=…, clip_low=…, correction={…}`): the fields build a `LossSpec` (name 'test',
+a critic-free estimator, so any loss mode is allowed), the rest are the call's own keywords
+(`global_denoms`, `reduce`, `params`, `rollout_is_weights`, `correction_grad_norm`)."""
+
+from __future__ import annotations
+
+from stppo.algos import LossSpec, resolve_correction
+from stppo.algos import policy_loss as _policy_loss
+
+SPEC_FIELDS = ("ratio_level", "clip_low", "clip_high", "dual_clip", "loss_agg", "correction",
+               "loss_mode", "options")
+
+
+def spec_of(**fields) -> LossSpec:
+    """A LossSpec from `policy_loss`-style keywords (correction: None, a mapping or Correction)."""
+    fields = dict(fields)
+    fields["correction"] = resolve_correction(fields.get("correction"))
+    if fields.get("options") is None:
+        fields.pop("options", None)
+    return LossSpec(name="test", advantage="grpo", use_critic=False, **fields)
+
+
+def policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw):
+    """(loss, metrics) — and `.ratio`, `.clipped` — of `stppo.algos.policy_loss`."""
+    spec = spec_of(**{k: kw.pop(k) for k in SPEC_FIELDS if k in kw})
+    return _policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec, **kw)
