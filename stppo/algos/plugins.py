@@ -102,7 +102,10 @@ def load_function(path: str) -> Callable:
     if not hasattr(fn, "stppo_stabiliser"):
         raise ValueError(f"algo.loss={path!r} is not a stabiliser: decorate it with "
                          "@stppo.algos.plugins.stabiliser(...)")
-    _check_signature(fn)
+    try:
+        _check_signature(fn)
+    except ValueError as e:
+        raise ValueError(f"algo.loss={path!r}: {e}") from None
     return fn
 
 

@@ -20,8 +20,8 @@ from typing import Iterable, NamedTuple, Optional
 
 import torch
 
-from stppo.algos.aggregation import GlobalDenoms
-from stppo.algos.clip_bias import Reduce, clip_bias_norm, pg_loss_norm
+from stppo.algos.aggregation import GlobalDenoms, agg_weights, weighted_sum
+from stppo.algos.clip_bias import Reduce, clip_bias_norm, clip_bias_sq, pg_loss_norm
 from stppo.algos.clip_metrics import clip_metrics
 from stppo.algos.loss import check_token_tensors, clip_policy_loss
 from stppo.algos.modes import LOSS_MODES, dispatch
@@ -102,7 +102,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         loss, own = mode.fn(LossInputs(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                        global_denoms, reduce, w), spec)
         metrics = {**stability_metrics(loss, log_probs, old_log_probs, advantages, loss_mask,
-                                       turn_ids, spec), **own}
+                                       turn_ids, spec, global_denoms, reduce), **own}
     else:
         kw = dict(ratio_level=spec.ratio_level, clip_low=spec.clip_low, clip_high=spec.clip_high,
                   loss_agg=spec.loss_agg, correction=spec.correction, dual_clip=spec.dual_clip,
@@ -122,11 +122,13 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
 @torch.no_grad()
 def stability_metrics(loss: torch.Tensor, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                       advantages: torch.Tensor, loss_mask: torch.Tensor, turn_ids: torch.Tensor,
-                      spec: LossSpec) -> dict[str, torch.Tensor]:
+                      spec: LossSpec, global_denoms: GlobalDenoms = None,
+                      reduce: Reduce = None) -> dict[str, torch.Tensor]:
     """The clip path's diagnostics for a loss that is not the clip path (a stabiliser): the
     clip fractions, ρ's mean and max, −δ, the clipping-bias norm and the surrogate's norm of the
     clipped surrogate at the spec's ratio level and clip range — what the alarms and the
-    collapse-diagnosis panels read — with `actor/pg_loss` the stabiliser's own loss."""
+    collapse-diagnosis panels read — with `actor/pg_loss` the stabiliser's own loss. As on the
+    clip path, the clipping-bias norm is the whole batch's under `reduce` (data parallelism)."""
     ratio, delta = importance_ratio(log_probs.detach(), old_log_probs, loss_mask, turn_ids,
                                     spec.ratio_level)
     adv = torch.where(loss_mask, advantages, 0.0)
@@ -139,8 +141,17 @@ def stability_metrics(loss: torch.Tensor, log_probs: torch.Tensor, old_log_probs
         clipfrac_low=(sur.clipped_low & loss_mask).sum() / n,
         ppo_kl=-torch.where(loss_mask, delta, 0.0).sum() / n, ratio_mean=ratio_m.sum() / n,
         ratio_max=ratio_m.max() if ratio_m.numel() else n.new_zeros(()).to(ratio.dtype),
-        bias_norm=clip_bias_norm(ratio, adv, sur.clipped, loss_mask, spec.loss_agg), lam=None,
-        lengths=loss_mask.sum(dim=1))
+        bias_norm=_bias_norm(ratio, adv, sur.clipped, loss_mask, spec.loss_agg, global_denoms,
+                             reduce),
+        lam=None, lengths=loss_mask.sum(dim=1))
+
+
+def _bias_norm(ratio, adv, clipped, loss_mask, loss_agg, global_denoms, reduce) -> torch.Tensor:
+    """clip_bias/norm = sqrt(agg(κ(ρA)²)): this call's, or with `reduce` the whole batch's."""
+    if reduce is None:
+        return clip_bias_norm(ratio, adv, clipped, loss_mask, loss_agg)
+    w = agg_weights(loss_mask, loss_agg, global_denoms, ratio.dtype)
+    return reduce(weighted_sum(clip_bias_sq(ratio, adv, clipped), w)).sqrt()
 
 
 @torch.no_grad()

@@ -58,9 +58,9 @@ def init_process_group() -> None:
         initialize_global_process_group_ray()
 
 
-def verl_config(preset: str, model_dir: Path, loss_mode: str | None = None):
+def verl_config(preset: str, model_dir: Path, loss_mode: str | None = None, extra: tuple = ()):
     """verl's `ppo_trainer` config with stppo's overrides for `algo=preset` (`loss_mode` replaces
-    stppo_<preset>, e.g. verl's 'vanilla')."""
+    stppo_<preset>, e.g. verl's 'vanilla'; `extra`: more stppo overrides, e.g. a search path)."""
     import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -69,7 +69,7 @@ def verl_config(preset: str, model_dir: Path, loss_mode: str | None = None):
     from stppo.config import compose, to_config
     from stppo.integrations.verl import overrides as O
 
-    cfg = to_config(compose([*STPPO_SETTINGS, f"algo={preset}"]))
+    cfg = to_config(compose([*STPPO_SETTINGS, *extra, f"algo={preset}"]))
     files = O.JobFiles("/data/train.parquet", "/data/val.parquet", "/data/tool_config.yaml", "/ckpt")
     ov = [o.split("=", 1)[0] + f"={model_dir}" if o.split("=", 1)[0].endswith("model.path") else o
           for o in O.verl_overrides(cfg, files)]

@@ -50,9 +50,9 @@ def setup(tmp_path_factory):
     return {"model": model_dir, "batch": b, "ref": ref, "old": old, "adv": adv}
 
 
-def run(setup, preset: str, loss_mode: str | None = None) -> dict:
+def run(setup, preset: str, loss_mode: str | None = None, extra: tuple = ()) -> dict:
     """One fresh worker: its log-probs, an update from the shared batch, weights before and after."""
-    verl_cfg, cfg = verl_config(preset, setup["model"], loss_mode)
+    verl_cfg, cfg = verl_config(preset, setup["model"], loss_mode, extra)
     worker = build_worker(verl_cfg)
     log_prob = compute_log_prob(worker, setup["batch"])
     before = weights(worker)
@@ -100,3 +100,22 @@ def test_stppo_ppo_equals_verls_vanilla_inside_verls_update(setup):
         assert rel <= rtol, key
     for key in ("actor/pg_clipfrac", "actor/ppo_kl"):
         assert ours["metrics"][key] == pytest.approx(theirs["metrics"][key], rel=loss_rtol, abs=1e-7), key
+
+
+def test_a_researchers_stabiliser_trains_inside_verls_update(setup):
+    """The example plugin package (tests/plugin_example, installed by `make test`): its preset
+    file found through Hydra's search path, its loss registered as stppo_turn_drift in the
+    worker from the spec stppo's launcher sends, its own metrics copied back by the monitor."""
+    from stppo.integrations.verl.metrics import namespace_copies
+
+    r = run(setup, "turn_drift", extra=("hydra.searchpath=[pkg://turn_drift.conf]",))
+    assert r["cfg"].algo.loss == "turn_drift.loss:turn_drift"
+    still = [n for n, w in r["before"].items() if torch.equal(w, r["after"][n])]
+    assert not still, f"weights that did not move: {still}"
+    logged = as_logged(r["metrics"])
+    assert math.isfinite(logged["actor/grad_norm"]) and "actor/turn_drift/penalty" in logged
+    view = copy_values(namespace_copies("turn_drift", logged), logged)
+    assert set(view) == {"turn_drift/penalty", "turn_drift/turn_shift_max"}
+    assert view["turn_drift/penalty"] > 0  # the old log-probs are off-policy: turns drifted
+    stppo_view = copy_values(LOSS_COPIES, logged)  # stppo's stability metrics of the stabiliser
+    assert K.CLIP_BIAS_NORM in stppo_view and K.PG_CLIPFRAC_HIGH in logged

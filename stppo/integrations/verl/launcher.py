@@ -190,7 +190,8 @@ def supervise(cfg: Config, plan: Plan, tracker: Tracker) -> float:
     t = cfg.trainer
     monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=t.total_steps,
                          collapse=t.collapse, stop_on_collapse=t.stop_on_collapse, alarm=t.alarm,
-                         on_alarm=t.on_alarm, max_turns=per_turn_count(cfg))
+                         on_alarm=t.on_alarm, max_turns=per_turn_count(cfg),
+                         namespace=cfg.algo.name if cfg.algo.loss else None)
     env = {**os.environ, **plan.env, "PYTHONPATH": _pythonpath()}
     old = _install_handlers()
     proc, tail = None, collections.deque(maxlen=STDERR_TAIL)

@@ -81,6 +81,13 @@ def turn_copies(max_turns: int) -> tuple[Copy, ...]:
     return tuple(out)
 
 
+def namespace_copies(namespace: str, logged) -> tuple[Copy, ...]:
+    """A researcher's stabiliser's own metrics (`<namespace>/…`, stppo.algos.plugins): every key
+    of the run that verl logged as `actor/<namespace>/…`, back under its own name."""
+    head = as_logged(f"{namespace}/")
+    return tuple(Copy(k, k[len(ACTOR_PREFIX):]) for k in sorted(logged) if k.startswith(head))
+
+
 def copy_values(copies: tuple[Copy, ...], verl: Mapping[str, float]) -> dict[str, float]:
     """stppo's values of one step from verl's (`verl`: key → value at that step)."""
     out = {}

@@ -30,7 +30,7 @@ from stppo import tracking as K
 from stppo.alarms import INDICATORS, AlarmConfig, AlarmSet
 from stppo.diagnostics import CollapseConfig, CollapseDetector
 from stppo.integrations.verl.metrics import (LOSS_COPIES, NONFINITE_KEYS, SAME_NAME, STEP_KEY, TRAIN_COPIES,
-                                             copy_values, turn_copies, val_key)
+                                             copy_values, namespace_copies, turn_copies, val_key)
 from stppo.tracker import Tracker
 from stppo.tracking_io import call
 
@@ -55,7 +55,8 @@ class RunMonitor:
 
     def __init__(self, tracker: Tracker, *, data_source: str, total_steps: int,
                  collapse: CollapseConfig | None = None, stop_on_collapse: bool = False,
-                 alarm: AlarmConfig | None = None, on_alarm: str = "none", max_turns: int = 0) -> None:
+                 alarm: AlarmConfig | None = None, on_alarm: str = "none", max_turns: int = 0,
+                 namespace: str | None = None) -> None:
         if on_alarm not in ("none", "stop"):
             raise ValueError(f"trainer.on_alarm={on_alarm!r}: with backend=verl use none or stop "
                              "(verl has no rollback)")
@@ -70,6 +71,7 @@ class RunMonitor:
         self.step = 0  # last training step handled
         self.val_history: list[tuple[int, float]] = []
         self.copies = (*TRAIN_COPIES, *LOSS_COPIES, *turn_copies(max_turns))
+        self.namespace = namespace  # a stabiliser's own metrics: `actor/<namespace>/…` copied back
         self.same = tuple(dict.fromkeys((*SAME_NAME, *ALARM_KEYS)))  # a copy of this step wins over these
         self._keys = tuple(dict.fromkeys([STEP_KEY, *NONFINITE_KEYS, *self.same,
                                           *(k for c in self.copies for k in (c.verl, c.per) if k)]))
@@ -93,6 +95,10 @@ class RunMonitor:
     def poll(self) -> int:
         """Handle what verl logged since the last call; returns the number of new train steps."""
         logged = set(call(self.tracker.client.get_run, self.tracker.run_id).data.metrics)
+        if self.namespace:
+            own = namespace_copies(self.namespace, logged)
+            self.copies = tuple(dict.fromkeys((*self.copies, *own)))
+            self._keys = tuple(dict.fromkeys((*self._keys, *(c.verl for c in own))))
         hist = {k: self._history(k) for k in self._keys if k in logged}
         new = sorted(s for s in hist.get(STEP_KEY, {}) if s > self.step)
         for s in new:
