@@ -87,7 +87,7 @@ def _record_invalid_job(cfg: DictConfig, error: str) -> None:
     """A FAILED MLflow run for a multirun job whose settings are invalid (best effort)."""
     from omegaconf import OmegaConf
 
-    from stppo import tracking as K
+    from stppo import metric_names as K
     from stppo.tracker import Tracker, flatten
 
     def sel(key: str) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import to_hex
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 from .figures import preset_color, seed_drops
 from .stats import aggregate, metric_kind

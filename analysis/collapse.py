@@ -1,4 +1,4 @@
-"""Collapse of each run, recomputed with the one rule of `stppo.diagnostics` (DESIGN.md §4).
+"""Collapse of each run, recomputed with the one rule of `stppo.diagnostics` (docs/design.md §4).
 
 Input per run: `env/success_rate` at steps 1..S and non-finite flags `actor/skipped_steps > 0`,
 with the run's own collapse settings (params ending in `collapse.<field>`). A run whose recomputed
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 from stppo.diagnostics import CollapseDetector
 
 from .load import Study, collapse_config

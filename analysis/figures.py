@@ -22,7 +22,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 from .stats import aggregate
 

@@ -51,7 +51,7 @@ from .figures import PRESET_ORDER, preset_color, preset_marker
 from .load import Study
 from .stats import bootstrap_mean_ci, welch_test
 from .store import AnalysisError
-from stppo import tracking as T
+from stppo import metric_names as T
 
 from .tables import per_run_table, per_run_value
 from .warning import early_warning, fig_early_warning, run_statistics, threshold_sweep

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 from stppo.alarms import AlarmConfig
 from stppo.tracker import resolve_uri
 

@@ -1,6 +1,6 @@
 """Sampled trajectories of a run: the MLflow table artifacts `samples/step_{step:06d}.json` the trainer
 logs every `diagnostics.samples_every` steps and at the detected collapse (one row per segment of a
-trajectory, columns `stppo.tracking.SAMPLE_COLUMNS`), read through `mlflow.MlflowClient`, so any
+trajectory, columns `stppo.metric_names.SAMPLE_COLUMNS`), read through `mlflow.MlflowClient`, so any
 artifact store MLflow reaches works (local folders, a tracking server's proxied artifacts, S3 ...).
 
 Every store problem ends in one line (`AnalysisError`).
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 from .store import AnalysisError, open_reader
 

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 GROUP: tuple[str, ...] = ("algo", "model", "task")
 WELCH_TEST = "Welch's two-sided t-test (unequal variances, scipy.stats.ttest_ind equal_var=False)"
@@ -151,7 +151,7 @@ TURN_KINDS = {"pg_clipfrac": "rate", "ratio_mean": "nonneg", "ratio_max": "nonne
 
 
 def metric_kind(key: str) -> str:
-    """'rate' (in [0, 1]), 'nonneg' (>= 0) or 'real' (unbounded) for a metric key of DESIGN.md §4;
+    """'rate' (in [0, 1]), 'nonneg' (>= 0) or 'real' (unbounded) for a metric key of docs/design.md §4;
     keys it does not know are 'real' (the t-interval, as before)."""
     turn = T.parse_turn_key(key)
     if turn is not None:

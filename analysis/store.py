@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 MAX_FLOAT = 1.7976931348623157e308  # MLflow's stand-in for ±inf
 # Tags copied into the per-run table; everything else stays in MLflow.

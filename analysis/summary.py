@@ -7,7 +7,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 
 def fmt_number(x, digits: int = 3) -> str:

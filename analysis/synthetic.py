@@ -6,7 +6,7 @@ A collapsing run follows the paper's picture: success rises, then falls to ~0 fr
 and KL rise; `collapse/detected` / `collapse/step` are logged by `stppo.diagnostics.CollapseDetector`
 exactly as the trainer logs them.
 
-With `diagnostics=True` a run also logs the workbench's diagnostics (DESIGN.md §4) with leading
+With `diagnostics=True` a run also logs the workbench's diagnostics (docs/design.md §4) with leading
 signals of different quality: `env/zero_std_group_frac` rises from 8 steps before the collapse,
 `actor/entropy` falls from 6 steps before, `rollout_corr/*` and the response length move only after
 it; per-turn metrics for 3 turns; `alarm/<indicator>` flags from `stppo.alarms.AlarmSet` as the
@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from stppo import tracking as T
+from stppo import metric_names as T
 from stppo.alarms import AlarmSet
 from stppo.diagnostics import CollapseDetector
 

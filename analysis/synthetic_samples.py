@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 PEOPLE = (("Ada Brenner", "Paris"), ("Jon Okafor", "Lagos"), ("Mei Tanaka", "Osaka"), ("Lars Vik", "Bergen"),
           ("Rosa Quint", "Porto"))

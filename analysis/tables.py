@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 from .collapse import collapse_table
 from .load import Study

@@ -1,4 +1,4 @@
-"""Speed of stppo.algos on CPU, measured in one run (CONVENTIONS.md 10).
+"""Speed of stppo.algos on CPU, measured in one run (ratios, never timed asserts).
 
 Layout: N=64 trajectories of T=2048 tokens — a prompt, then ~8 agent turns alternating with
 observation segments, then padding. Prints, each on its own line:

@@ -1,5 +1,5 @@
 """Loading a study with `analysis.load_study`, cold vs from the parquet cache, measured in one run
-(CONVENTIONS.md 10).
+(speed claims are ratios measured in one run, never timed asserts).
 
 Store: a real MLflow sqlite store of R runs × S steps (default 50 × 500) with the trainer's
 metric keys plus filler keys (~33 keys per step, ~0.8M metric rows), written once through

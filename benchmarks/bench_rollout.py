@@ -1,5 +1,5 @@
 """Speed of the multi-turn rollout engine against plain `model.generate`, measured in one run
-(CONVENTIONS.md 10).
+(a ratio, never a timed assert).
 
 Setup: the `tiny` random-init Qwen2 preset over a 1500-token BPE trained on the task, the
 synthetic multi-hop task behind a real SearchEnv (bm25, top-2, compact prompts, 4 turns), N

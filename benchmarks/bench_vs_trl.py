@@ -1,5 +1,5 @@
 """stppo's own trainer step against TRL's `GRPOTrainer` on the same GRPO workload, in one run
-(CONVENTIONS.md 10). Needs TRL: `make trl-env`, then
+(speed claims are ratios measured in one run, never timed asserts). Needs TRL: `make trl-env`, then
 `OMP_NUM_THREADS=1 .venv-trl/bin/python benchmarks/bench_vs_trl.py` (trl is not a dependency of
 stppo; .venv-trl holds trl 1.16 and stppo --no-deps).
 

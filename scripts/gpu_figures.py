@@ -17,7 +17,7 @@ import sys
 
 from mlflow.tracking import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 
 
 def run_figures(client: MlflowClient, run) -> dict:

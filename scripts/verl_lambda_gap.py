@@ -1,4 +1,4 @@
-"""How far verl's per-micro-batch λ is from the mini-batch's λ (docs/design.md §7).
+"""How far verl's per-micro-batch λ is from the mini-batch's λ (docs/design.md §6).
 
 Under verl a policy loss sees one micro-batch of one rank, so the corrections of S-PPO / ST-PPO
 (λ = 1/max(1, ‖C‖/τ)) and SO-PPO (λ = 1/r when r > τ) are computed per micro-batch. This script

@@ -1,5 +1,5 @@
 """Early warning of collapse: every candidate indicator as an online alarm under one rule
-(DESIGN.md §4), used by the trainer (`trainer.alarm`, `trainer.on_alarm`) and, offline over logged
+(docs/design.md §4), used by the trainer (`trainer.alarm`, `trainer.on_alarm`) and, offline over logged
 series, by `analysis.warning`, which measures lead time, false alarms and ROC AUC per indicator.
 
 The rule — a robust z-score against the run's own first steps, held for `persist` values:
@@ -36,7 +36,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 DIRECTIONS = ("up", "down", "both")
 TRANSFORMS = ("level", "log", "growth")

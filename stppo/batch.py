@@ -1,4 +1,4 @@
-"""The `Batch`: one padded token sequence per trajectory (DESIGN.md §1).
+"""The `Batch`: one padded token sequence per trajectory (docs/design.md §1).
 
 Layout: right-padded, shape (N, T). Position t of every per-token tensor refers to token
 `input_ids[:, t]`; `log_probs[:, t]` is log π(input_ids[:, t] | input_ids[:, :t]), so position 0

@@ -1,4 +1,4 @@
-"""Config schemas: one validated dataclass per Hydra group (CONVENTIONS.md 6).
+"""Config schemas: one validated dataclass per Hydra group.
 
 Hydra composes YAML from `conf/` over these schemas (type-checked by OmegaConf); `to_config`
 then builds the dataclasses, whose `__post_init__` rejects invalid settings with one line that
@@ -361,7 +361,7 @@ class TrainerConfig:
 
 @dataclass
 class DiagnosticsConfig:
-    """What the trainer records beyond the step scalars (DESIGN.md §4)."""
+    """What the trainer records beyond the step scalars (docs/design.md §4)."""
     samples_every: int = 10  # sampled trajectories as an MLflow table every k steps (0 = never)
     samples_count: int = 4  # M trajectories per table (one per question)
     per_turn: bool = True  # turn/k{k}/* metrics (clip fraction, ratios, advantage, KL, entropy)

@@ -1,4 +1,4 @@
-"""Collapse detection: the one definition (DESIGN.md §4) used by the trainer's early stop, sweep
+"""Collapse detection: the one definition (docs/design.md §4) used by the trainer's early stop, sweep
 pruning, analysis and the dashboard.
 
 A run has collapsed at step s when

@@ -1,4 +1,4 @@
-"""Name → object registries (CONVENTIONS.md 4): one per component type, one signature per registry.
+"""Name → object registries: one per component type, one signature per registry.
 
 An unknown name raises `UnknownNameError` — both a `KeyError` (so the registry behaves like a
 read-only dict) and a `ValueError` (a user-facing config error) — whose one-line message lists

@@ -1,7 +1,7 @@
 """MLflow logging of stppo runs: the `Tracker` (one run per job, one batch per step, a disk
 buffer while the store is away), the tracking URI, and `python -m stppo.tracker flush|reap`.
-The keys it logs are the constants of `stppo.tracking`; the store access below the Tracker is
-`stppo.tracking_io`. Torch-free; mlflow is imported lazily."""
+The keys it logs are the constants of `stppo.metric_names`; the store access below the Tracker is
+`stppo.mlflow_store`. Torch-free; mlflow is imported lazily."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from stppo.tracking import STEP_TIME
-from stppo.tracking_io import (TAG_PROCESS, append_line, call, close_run, first_line, flush_file,
+from stppo.metric_names import STEP_TIME
+from stppo.mlflow_store import (TAG_PROCESS, append_line, call, close_run, first_line, flush_file,
                                flush_pending, is_transient, make_client, process_token,
                                reap_dead_runs, send_rows, write_json)
 

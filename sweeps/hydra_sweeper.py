@@ -34,7 +34,7 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from sweeps import study as S
 
 log = logging.getLogger(__name__)

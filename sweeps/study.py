@@ -25,9 +25,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.tracker import resolve_uri
-from stppo.tracking_io import first_line, process_alive, process_token
+from stppo.mlflow_store import first_line, process_alive, process_token
 
 OWNER_ATTR = "sweeper_process"  # 'host:pid:start' of the sweep process that asked the trial
 RETRY_ATTR = "retry_of"  # set on a re-enqueued trial: the number of the interrupted one

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from stppo import tracking as T
+from stppo import metric_names as T
 from stppo.alarms import (
     INDICATORS,
     AlarmConfig,

@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §2, "Advantages")."""
+"""Advantage estimators (docs/design.md §2, "Advantages")."""
 
 import math
 
@@ -23,7 +23,7 @@ def loop_gae(rewards, values, gamma, lam):
 def test_gae_hand_computed_on_a_contiguous_sequence():
     r = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
     v = torch.tensor([[0.5, 0.6, 0.7]], dtype=torch.float64)
-    adv, ret = gae(r, v, torch.ones(1, 3, dtype=torch.bool), gamma=0.9, lam=0.8)
+    adv, ret = gae(r, v, torch.ones(1, 3, dtype=torch.bool), gamma=0.9, gae_lambda=0.8)
     assert torch.allclose(adv, torch.tensor([[0.21712, 0.246, 0.3]], dtype=torch.float64))
     assert torch.allclose(ret, torch.tensor([[0.71712, 0.846, 1.0]], dtype=torch.float64))
 
@@ -82,7 +82,7 @@ def test_turn_gae_hand_computed():
     nan = math.nan
     values = torch.tensor([[nan, 0.4, 9.0, nan, 0.7, 9.0, nan]], dtype=torch.float64)
     rewards = torch.tensor([[nan, 0.0, 0.0, nan, 0.0, 1.0, nan]], dtype=torch.float64)
-    adv, ret = turn_gae(rewards, values, mask, turns, gamma=0.9, lam=0.5)
+    adv, ret = turn_gae(rewards, values, mask, turns, gamma=0.9, gae_lambda=0.5)
     # turn 1: δ = 1 - 0.7 = 0.3; turn 0: δ = 0.9·0.7 - 0.4 = 0.23, A = 0.23 + 0.45·0.3
     a0, a1 = 0.23 + 0.45 * 0.3, 0.3
     assert torch.allclose(adv, torch.tensor([[0, a0, a0, 0, a1, a1, 0]], dtype=torch.float64))
@@ -95,7 +95,7 @@ def test_registry_dispatch_whitening_and_errors():
     g = torch.Generator().manual_seed(1)
     rewards, values = torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g)
     adv, ret = compute_advantages("gae", loss_mask=mask, rewards=rewards, values=values,
-                                  gamma=0.9, lam=0.9)
+                                  gamma=0.9, gae_lambda=0.9)
     raw, raw_ret = gae(rewards, values, mask, 0.9, 0.9)
     assert torch.allclose(adv, masked_whiten(raw, mask)) and torch.equal(ret, raw_ret)
     adv, _ = compute_advantages("grpo", loss_mask=mask, scores=torch.tensor([1.0, 0, 1, 0]),

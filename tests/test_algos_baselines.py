@@ -1,5 +1,5 @@
 """The baseline losses (stppo.algos.baselines): hand-computed cases, limiting cases against the
-clip path, mask invariance, split batches, gradcheck and option errors (DESIGN.md §2).
+clip path, mask invariance, split batches, gradcheck and option errors (docs/design.md §2).
 Equality with verl's own functions: tests/verl/test_baselines_vs_verl.py."""
 
 import math
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import PRESETS, sapo_gate
 from keyword_loss import policy_loss
 from test_algos_helpers import make_inputs, with_garbage

@@ -1,4 +1,4 @@
-"""Clipping-bias diagnostics and corrections (DESIGN.md §2, "Clipping bias", "Correction")."""
+"""Clipping-bias diagnostics and corrections (docs/design.md §2, "Clipping bias", "Correction")."""
 
 import math
 from dataclasses import dataclass
@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import (Correction, agg_loss, clip_bias_grad_norm, clip_bias_term,
                          clipped_surrogate, importance_ratio, resolve_correction,
                          sequence_clip_bias_norm)

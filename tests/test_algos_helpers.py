@@ -11,7 +11,7 @@ import torch
 def make_layout(n: int, t: int, seed: int = 0, max_turns: int = 4,
                 empty_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_mask (N, T) bool, turn_ids (N, T) long): prompt, then agent turns alternating with
-    observations, then padding — the Batch layout of DESIGN.md §1."""
+    observations, then padding — the Batch layout of docs/design.md §1."""
     rng = random.Random(seed)
     mask = torch.zeros(n, t, dtype=torch.bool)
     turns = torch.full((n, t), -1, dtype=torch.long)

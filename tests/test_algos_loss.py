@@ -1,12 +1,12 @@
 """policy_loss: hand cases, limiting cases, mask invariance, loop reference, gradcheck,
-Lemma 4.1, split batches, argument validation (DESIGN.md §2)."""
+Lemma 4.1, split batches, argument validation (docs/design.md §2)."""
 
 import math
 
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import agg_denoms, agg_loss, clipped_surrogate, importance_ratio
 from keyword_loss import policy_loss
 from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage

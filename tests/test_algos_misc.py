@@ -6,7 +6,7 @@ from dataclasses import FrozenInstanceError
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import (KL_ESTIMATORS, LOSS_AGGS, PRESETS, Preset, Registry, UnknownNameError,
                          agg_loss, entropy_from_logits, explained_variance, kl_in_reward, kl_loss,
                          kl_penalty, register_preset, token_log_probs, value_loss)
@@ -120,7 +120,7 @@ def test_entropy_and_log_probs_equal_log_softmax_reference(chunk):
 
 # --- presets and registries ----------------------------------------------------------------------
 def test_presets_match_the_design_table():
-    table = {  # preset: (ratio, correction, advantage, critic) — DESIGN.md §2
+    table = {  # preset: (ratio, correction, advantage, critic) — docs/design.md §2
         "ppo": ("token", "none", "gae", True), "turn_ppo": ("turn", "none", "gae", True),
         "s_ppo": ("token", "clip_bias_norm", "gae", True),
         "st_ppo": ("turn", "clip_bias_norm", "gae", True),

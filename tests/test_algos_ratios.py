@@ -1,4 +1,4 @@
-"""Importance ratios (DESIGN.md §2, "Ratio level")."""
+"""Importance ratios (docs/design.md §2, "Ratio level")."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Turn segments and the turn-level fast path of policy_loss (stppo.algos.segments, DESIGN.md §2):
+"""Turn segments and the turn-level fast path of policy_loss (stppo.algos.segments, docs/design.md §2):
 segment layout, the TurnRatio autograd node, the per-turn statistics of the clipped loss
 (stppo.algos.turn_clip: parts by sign of A, saturated log-ratios), per-row aggregation factors,
 cached correction specs."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import (Correction, agg_weights, clip_bias_term, clipped_surrogate,
                          importance_ratio, log_ratio, resolve_correction, turn_ratio)
 from stppo.algos.aggregation import agg_denoms, agg_row_weights, mask_float

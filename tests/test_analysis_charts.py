@@ -12,7 +12,7 @@ from test_analysis_fixtures import DEMO, KNOWN, known_uri, run_ids, workbench_ur
 from analysis import charts as C
 from analysis import collapse_table, load_study
 from analysis.warning import run_statistics
-from stppo import tracking as T
+from stppo import metric_names as T
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port as closed_port  # noqa: F401  (re-exported to the analysis tests)
 
-from stppo import tracking as T
+from stppo import metric_names as T
 
 KNOWN, EMPTY = "known", "empty"
 FINAL_VAL = {("ppo", 0): 0.1, ("ppo", 1): 0.7, ("ppo", 2): 0.75, ("st_ppo", 0): 0.8, ("st_ppo", 1): 0.85,
@@ -117,7 +117,7 @@ def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
         10, 20, 30, 30, 30, 30, 30]
 
 
-# A second store for the workbench's diagnostics (DESIGN.md §4), written by analysis.synthetic:
+# A second store for the workbench's diagnostics (docs/design.md §4), written by analysis.synthetic:
 # * `demo` — ppo (collapses at 20 + 3·seed) and st_ppo, seeds 0, 1, 40 steps, with per-turn metrics,
 #   group fractions, rollout_corr, alarm flags and sample tables every 10 steps and at the detected
 #   collapse;

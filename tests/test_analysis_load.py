@@ -23,7 +23,7 @@ from analysis.store import (
     UnknownExperimentError,
     open_reader,
 )
-from stppo import tracking as T
+from stppo import metric_names as T
 
 
 def test_tidy_frame_has_the_columns_and_the_logged_values(known_uri, cache_tmp):

@@ -11,7 +11,7 @@ from test_analysis_fixtures import DEMO, closed_port, workbench_uri  # noqa: F40
 from analysis import collapse_table, load_study
 from analysis.samples import SamplesError, default_step, load_samples, samples_frame, saved_steps, trajectories
 from analysis.store import StoreNotFoundError, StoreUnreachableError
-from stppo import tracking as T
+from stppo import metric_names as T
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from analysis import (
     t_interval,
     welch_test,
 )
-from stppo import tracking as T
+from stppo import metric_names as T
 
 T975_DF2 = 4.302652729749464  # t quantile 0.975 with 2 degrees of freedom (tables)
 T975_DF1 = 12.706204736174707  # ... with 1 degree of freedom

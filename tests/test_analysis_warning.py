@@ -16,7 +16,7 @@ from analysis.report import main
 from analysis.collapse import COLLAPSE_COLUMNS
 from analysis.warning import (STAT_COLUMNS, early_warning, fig_early_warning, roc_auc, roc_curve, run_statistics,
                               run_warnings, warning_table)
-from stppo import tracking as T
+from stppo import metric_names as T
 from stppo.alarms import AlarmConfig
 
 

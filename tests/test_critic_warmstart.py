@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from mlflow.tracking import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import to_config
 from stppo.train.critic_warmstart import returns_of
 from stppo.train.job import run

@@ -1,5 +1,5 @@
 """RLOO and REINFORCE++ advantages, truncated IS weights, DAPO's group filter, overlong penalty
-and dynamic-sampling refill (DESIGN.md §2). Equality with verl: tests/verl/."""
+and dynamic-sampling refill (docs/design.md §2). Equality with verl: tests/verl/."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import (compute_advantages, groups_with_signal, overlong_penalty,
                          reinforce_pp_advantages, rloo_advantages, truncated_is_weights)
 from stppo.batch import Batch

@@ -180,7 +180,7 @@ def test_packages_import_neither_torch_nor_verl():
 
 # --- the monitor's copies of the loss's metrics ----------------------------------------------------
 def test_loss_copies_take_every_key_outside_actor_back_to_its_name():
-    from stppo import tracking as K
+    from stppo import metric_names as K
     from stppo.integrations.verl.metrics import LOSS_COPIES, as_logged, copy_values
 
     assert as_logged(K.CLIP_BIAS_NORM) == "actor/clip_bias/norm" and as_logged(K.PG_LOSS) == K.PG_LOSS
@@ -191,7 +191,7 @@ def test_loss_copies_take_every_key_outside_actor_back_to_its_name():
 
 
 def test_turn_copies_divide_by_the_turns_weight_and_skip_turns_without_tokens():
-    from stppo import tracking as K
+    from stppo import metric_names as K
     from stppo.integrations.verl.metrics import copy_values, turn_copies
 
     logged = {"actor/turn/k0/tokens": 4.0, "actor/turn/k0/pg_clipfrac": 1.0, "actor/turn/k0/ratio_max": 5.0,

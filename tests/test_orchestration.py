@@ -15,14 +15,14 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, TINY_OVERRIDES
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import CONF_DIR, compose, to_config
 from test_tracking import fresh_sqlite
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "algo").glob("*.yaml"))
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 CRITIC_PRESETS = {"ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo"}
-# What every training run logs at every step (DESIGN.md §4), besides the critic's keys.
+# What every training run logs at every step (docs/design.md §4), besides the critic's keys.
 STEP_METRICS = [K.PG_LOSS, K.PG_LOSS_NORM, K.PG_CLIPFRAC, K.PG_CLIPFRAC_HIGH, K.PG_CLIPFRAC_LOW, K.PPO_KL,
                 K.ENTROPY, K.GRAD_NORM, K.RATIO_MEAN, K.RATIO_MAX, K.CLIP_BIAS_NORM, K.CLIP_BIAS_SCALE,
                 K.SUCCESS_RATE, K.VALID_ACTION_RATIO, K.NUM_TURNS_MEAN, K.RESPONSE_LENGTH_MEAN,

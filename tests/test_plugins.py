@@ -95,7 +95,7 @@ def test_micro_batches_equal_the_whole_minibatch_both_ways(monkeypatch):
 @pytest.mark.slow
 def test_a_quick_run_logs_the_stabilisers_metrics(tiny_cfg, tmp_path):
     from analysis.load import load_study
-    from stppo import tracking as K
+    from stppo import metric_names as K
     from stppo.train.job import run
 
     run(tiny_cfg(SEARCH, "algo=turn_drift", "trainer.total_steps=2"))

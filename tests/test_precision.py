@@ -15,7 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import to_config
 from stppo.models import (ValueModel, build_random_model, policy_log_probs, resolve_precision,
                           train_tokenizer)

@@ -14,7 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, TINY_OVERRIDES
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.train import checkpoint
 
 STEPS = 5

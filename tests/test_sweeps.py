@@ -18,9 +18,9 @@ from optuna.trial import TrialState
 
 from analysis.sweeps import trials_frame
 from conftest import ROOT, TINY_OVERRIDES
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.tracker import Tracker
-from stppo.tracking_io import process_token
+from stppo.mlflow_store import process_token
 from sweeps import study as S
 from test_orchestration import run_py, warm_cache  # noqa: F401 - fixture
 from test_tracking import fresh_sqlite

@@ -19,8 +19,8 @@ from conftest import free_port, wait_healthy
 from mlflow.tracking import MlflowClient
 
 from stppo import tracker as TR
-from stppo import tracking as K
-from stppo import tracking_io as io
+from stppo import metric_names as K
+from stppo import mlflow_store as io
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
 
@@ -248,9 +248,9 @@ def test_run_orphaned_by_a_killed_process_is_marked_killed(tmp_path):
 
 
 def test_keys_import_cheaply_and_the_cli_runs_as_documented(tmp_path):
-    """`stppo.tracking` (the keys analysis and the dashboard import) and `stppo.tracker` load
+    """`stppo.metric_names` (the keys analysis and the dashboard import) and `stppo.tracker` load
     neither torch nor mlflow; `python -m stppo.tracker flush` (README) runs and exits 0."""
-    code = ("import sys, stppo.tracking, stppo.tracker\n"
+    code = ("import sys, stppo.metric_names, stppo.tracker\n"
             "print(sorted(m for m in ('torch', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import to_config
 from stppo.tracker import Tracker
 from stppo.train.loop import Trainer

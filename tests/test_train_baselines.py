@@ -1,6 +1,6 @@
 """The baselines in the trainer: every new preset trains two steps on the tiny setup and moves
 the policy; TIS and DAPO's dynamic sampling / overlong shaping reach the metrics; run.py finishes
-for every new preset (DESIGN.md §2)."""
+for every new preset (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import TINY_OVERRIDES
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import to_config
 from stppo.tracker import Tracker
 from stppo.train.loop import Trainer

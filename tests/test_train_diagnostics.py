@@ -1,4 +1,4 @@
-"""The step diagnostics (DESIGN.md §4): per-turn breakdown, groups without signal, sampler vs
+"""The step diagnostics (docs/design.md §4): per-turn breakdown, groups without signal, sampler vs
 trainer log-probs, sampled trajectories as MLflow tables; and trainer.on_alarm (stop, rollback)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import group_signal_fractions, sampler_mismatch, turn_breakdown
 from stppo.config import to_config
 from stppo.tracker import Tracker

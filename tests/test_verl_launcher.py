@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import compose, to_config
 from stppo.diagnostics import CollapseConfig, detect_collapse
 from stppo.integrations.verl import launcher as L

@@ -8,7 +8,7 @@ import streamlit as st
 from analysis import charts as C
 from analysis.figures import ADVANTAGES
 from dashboard import common
-from stppo import tracking as T
+from stppo import metric_names as T
 
 st.header("Collapse diagnosis")
 study, runs, _, kept = common.page_runs("collapse")

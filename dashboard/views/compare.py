@@ -9,7 +9,7 @@ import analysis
 from analysis import charts as C
 from analysis.figures import FIG3_METRICS, FIG5_METRICS
 from dashboard import common
-from stppo import tracking as T
+from stppo import metric_names as T
 
 st.header("Variant comparison")
 study, runs, collapse, kept = common.page_runs("compare", columns=("algo", "model", "task"))

@@ -5,7 +5,7 @@ import streamlit as st
 import analysis
 from analysis import charts as C
 from dashboard import common
-from stppo import tracking as T
+from stppo import metric_names as T
 
 st.header("Overview")
 study, runs, _, kept = common.page_runs("overview")

@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §2, "Advantages"); no gradient flows through them.
+"""Advantage estimators (docs/design.md §2, "Advantages"); no gradient flows through them.
 
 GAE over agent tokens only. Let t_1 < t_2 < … < t_L be row i's agent positions (m = 1). Then
     δ_j = r_{t_j} + γ V_{t_{j+1}} − V_{t_j}          (V_{t_{L+1}} = 0)
@@ -39,7 +39,7 @@ WHITEN_EPS = 1e-8
 
 @torch.no_grad()
 def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+        gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (N, T) and 0 off agent tokens; see the module docstring.
 
     Agent tokens are compressed to the left of each row (a stable sort of ~mask), so the
@@ -60,7 +60,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, ga
     adv_c = torch.empty_like(deltas)
     last = torch.zeros(n, dtype=dtype, device=values.device)  # (N,)
     for j in range(length - 1, -1, -1):  # scan over time, vectorised over rows
-        last = deltas[:, j] + (gamma * lam) * last
+        last = deltas[:, j] + (gamma * gae_lambda) * last
         adv_c[:, j] = last
     adv.scatter_(1, order, torch.where(m_c, adv_c, 0.0))
     returns = torch.where(loss_mask, adv + torch.where(loss_mask, values.to(dtype), 0.0), 0.0)
@@ -109,7 +109,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, loss_mask: to
 
 @torch.no_grad()
 def turn_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
-             turn_ids: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+             turn_ids: torch.Tensor, gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over turns (see the module docstring); (advantages, returns) (N, T)."""
     n, t = loss_mask.shape
     dtype = values.dtype if values.is_floating_point() else torch.float32
@@ -126,14 +126,14 @@ def turn_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tenso
         0, seg, pos, reduce="amin").view(n, k)  # (N, K) first agent position of each turn
     turn_mask = first < t  # (N, K)
     v_turn = torch.where(turn_mask, values.gather(1, first.clamp(max=t - 1)).to(dtype), 0.0)
-    adv_turn, ret_turn = gae(r_turn, v_turn, turn_mask, gamma, lam)  # (N, K)
+    adv_turn, ret_turn = gae(r_turn, v_turn, turn_mask, gamma, gae_lambda)  # (N, K)
     adv = torch.where(loss_mask, adv_turn.gather(1, tid), 0.0)
     returns = torch.where(loss_mask, ret_turn.gather(1, tid), 0.0)
     return adv, returns
 
 
 # --- registry: one signature ---------------------------------------------------------------------
-# estimator(*, loss_mask, turn_ids, rewards, values, scores, group_ids, gamma, lam, eps,
+# estimator(*, loss_mask, turn_ids, rewards, values, scores, group_ids, gamma, gae_lambda, eps,
 #           norm_by_std, whiten, reduce) -> (advantages (N, T), returns (N, T)); `reduce` (an
 #           all-reduce sum over data-parallel shards, or None) makes whitening global. GRPO needs
 #           none: a group never spans shards.
@@ -148,9 +148,9 @@ def _need(name: str, **inputs: Optional[torch.Tensor]) -> None:
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
-def _gae_estimator(*, loss_mask, rewards, values, gamma, lam, whiten, reduce=None, **_):
+def _gae_estimator(*, loss_mask, rewards, values, gamma, gae_lambda, whiten, reduce=None, **_):
     _need("gae", rewards=rewards, values=values)
-    adv, ret = gae(rewards, values, loss_mask, gamma, lam)
+    adv, ret = gae(rewards, values, loss_mask, gamma, gae_lambda)
     return (masked_whiten(adv, loss_mask, reduce=reduce) if whiten else adv), ret
 
 
@@ -162,10 +162,10 @@ def _grpo_estimator(*, loss_mask, scores, group_ids, eps, norm_by_std, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("turn_gae")
-def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, lam, whiten, reduce=None,
+def _turn_gae_estimator(*, loss_mask, turn_ids, rewards, values, gamma, gae_lambda, whiten, reduce=None,
                         **_):
     _need("turn_gae", rewards=rewards, values=values, turn_ids=turn_ids)
-    adv, ret = turn_gae(rewards, values, loss_mask, turn_ids, gamma, lam)
+    adv, ret = turn_gae(rewards, values, loss_mask, turn_ids, gamma, gae_lambda)
     return (masked_whiten(adv, loss_mask, reduce=reduce) if whiten else adv), ret
 
 
@@ -216,12 +216,12 @@ def _reinforce_pp_estimator(*, loss_mask, rewards, gamma, reduce=None, **_):
 
 def compute_advantages(name: str, *, loss_mask: torch.Tensor, turn_ids=None, rewards=None,
                        values=None, scores=None, group_ids=None, gamma: float = 1.0,
-                       lam: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
+                       gae_lambda: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
                        whiten: bool = True, reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to ADVANTAGE_ESTIMATORS[name]; GAE-based ones whiten over agent tokens when
-    `whiten` (DESIGN.md §2), over every shard's when `reduce` is given. Returns (advantages,
+    `whiten` (docs/design.md §2), over every shard's when `reduce` is given. Returns (advantages,
     returns), (N, T)."""
     fn = ADVANTAGE_ESTIMATORS[name]
     return fn(loss_mask=loss_mask, turn_ids=turn_ids, rewards=rewards, values=values,
-              scores=scores, group_ids=group_ids, gamma=gamma, lam=lam, eps=eps,
+              scores=scores, group_ids=group_ids, gamma=gamma, gae_lambda=gae_lambda, eps=eps,
               norm_by_std=norm_by_std, whiten=whiten, reduce=reduce)

@@ -1,4 +1,4 @@
-"""`agg_loss`: the one reduction of every per-token loss term (DESIGN.md §2, "Aggregation").
+"""`agg_loss`: the one reduction of every per-token loss term (docs/design.md §2, "Aggregation").
 
 With m the loss mask, |y_i| = Σ_t m_{i,t}, D_tok = Σ_{i,t} m_{i,t} and D_seq = #{i : |y_i| ≥ 1}:
 

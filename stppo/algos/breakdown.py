@@ -1,4 +1,4 @@
-"""Step diagnostics as pure functions (DESIGN.md §4): the per-turn breakdown of the policy loss,
+"""Step diagnostics as pure functions (docs/design.md §4): the per-turn breakdown of the policy loss,
 the groups without reward signal, and the sampler-vs-trainer log-prob mismatch.
 
 Per turn k (the k-th generation call, `turn_ids == k` on agent tokens), over a minibatch with n
@@ -30,7 +30,7 @@ import torch
 
 from stppo.algos.ratios import LOG_RATIO_CLAMP
 from stppo.algos.rollout_is import truncated_is_weights
-from stppo.tracking import (ALL_ONE_GROUP_FRAC, ALL_ZERO_GROUP_FRAC, ROLLOUT_CORR_ABS_DIFF_MAX,
+from stppo.metric_names import (ALL_ONE_GROUP_FRAC, ALL_ZERO_GROUP_FRAC, ROLLOUT_CORR_ABS_DIFF_MAX,
                             ROLLOUT_CORR_ABS_DIFF_MEAN, ROLLOUT_CORR_K3_KL, ROLLOUT_CORR_KL,
                             ROLLOUT_CORR_LOG_PPL_DIFF, ZERO_STD_GROUP_FRAC, turn_key)
 

@@ -1,4 +1,4 @@
-"""Clipping bias: diagnostics and the corrections of S-PPO / ST-PPO / SO-PPO (DESIGN.md §2).
+"""Clipping bias: diagnostics and the corrections of S-PPO / ST-PPO / SO-PPO (docs/design.md §2).
 
 The PPO gradient is the unclipped importance-sampling gradient minus the contribution of the
 clipped tokens, C = ∇_θ agg(κ ρ A) (ST-PPO, arXiv 2511.20718 v1, §4). Diagnostics:
@@ -33,7 +33,7 @@ import torch
 
 from stppo.algos.aggregation import agg_weights, weighted_sum
 from stppo.registry import Registry
-from stppo.tracking import CLIP_BIAS_GRAD_NORM
+from stppo.metric_names import CLIP_BIAS_GRAD_NORM
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]  # all-reduce sum over shards, or None
 ESTIMATORS = ("token", "grad")

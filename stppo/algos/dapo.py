@@ -1,6 +1,6 @@
 """DAPO's batch-level equations (arXiv 2503.14476 v1 §3.2 and §3.4; verl 0.9.1): which groups
 dynamic sampling keeps, and the overlong reward penalty. The trainer side (refilling the batch,
-applying the penalty) is `stppo.train.dapo`. DESIGN.md §2, "DAPO".
+applying the penalty) is `stppo.train.dapo`. docs/design.md §2, "DAPO".
 
 Dynamic sampling keeps a group of G > 1 trajectories of one question only if its rewards do not
 all agree (0 < #correct < G for 0/1 rewards): a group whose rewards agree has zero group-relative

@@ -1,4 +1,4 @@
-"""KL estimators between the policy and the frozen reference (DESIGN.md §2, "KL").
+"""KL estimators between the policy and the frozen reference (docs/design.md §2, "KL").
 
 With x = log π_θ(y_t) − log π_ref(y_t) per token (Schulman, "Approximating KL divergence", 2020):
     k1 = x
@@ -17,7 +17,7 @@ import torch
 
 from stppo.algos.aggregation import GlobalDenoms, agg_loss
 from stppo.registry import Registry
-from stppo.tracking import KL_REF
+from stppo.metric_names import KL_REF
 
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl estimator")
 

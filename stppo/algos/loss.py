@@ -1,5 +1,5 @@
 """The clip path of `policy_loss`: ratio → clipped surrogate → correction → aggregation
-(DESIGN.md §2).
+(docs/design.md §2).
 
     L = λ · agg(s)        (batch granularity)      L = agg(λ_i s_{i,t})   (sequence granularity)
 
@@ -92,7 +92,7 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
       correction_grad_norm: 0-d ‖C‖ of estimator 'grad' computed by the caller, in place of
         `params` (the trainer's micro-batches sum C over several backward passes).
     Returns:
-      loss (0-d, with graph) and metrics: detached 0-d tensors keyed by `stppo.tracking`
+      loss (0-d, with graph) and metrics: detached 0-d tensors keyed by `stppo.metric_names`
       constants. Fractions, ratio statistics and PPO_KL (mean −δ) are token-weighted over agent
       tokens; CLIP_BIAS_SCALE is the mean λ (over trajectories with agent tokens when per
       sequence); CLIP_BIAS_TRIGGERED is 1.0 if any λ < 1. PG_LOSS is the returned loss.
@@ -117,7 +117,7 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
     t = _token_terms(rho, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
                      loss_agg=loss_agg, dual_clip=dual_clip, global_denoms=global_denoms,
                      reduce=reduce)
-    lam, extra = None, {}
+    scale, extra = None, {}
     if spec is not None:
         ctx = ClipContext(
             t.bias_norm, t.bias_sq.sum(dim=1), t.lengths,
@@ -125,9 +125,9 @@ def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
             bias_term=lambda: clip_bias_term(rho, t.adv, t.parts.clipped, loss_mask, loss_agg,
                                              weights=t.w_corr),
             params=params, reduce=reduce, grad_norm=correction_grad_norm)
-        lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
-    loss = _assemble(rho, t.parts, t.w_loss, lam)
-    metrics = _token_metrics(loss, t, delta, lam)
+        scale, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
+    loss = _assemble(rho, t.parts, t.w_loss, scale)
+    metrics = _token_metrics(loss, t, delta, scale)
     metrics.update(extra)
     return loss, metrics
 
@@ -168,7 +168,7 @@ def _token_terms(rho: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.T
 
 @torch.no_grad()
 def _token_metrics(loss: torch.Tensor, t: _TokenTerms, delta: torch.Tensor,
-                   lam) -> dict[str, torch.Tensor]:
+                   scale) -> dict[str, torch.Tensor]:
     """`clip_metrics` of the token and sequence paths (token-weighted over agent tokens)."""
     n_tok = t.lengths.sum().clamp(min=1)
     s = t.parts.coef * t.ratio + t.parts.const  # (N, T) surrogate, 0 off agent tokens
@@ -179,17 +179,17 @@ def _token_metrics(loss: torch.Tensor, t: _TokenTerms, delta: torch.Tensor,
         clipfrac_low=torch.count_nonzero(t.parts.clipped_low) / n_tok,
         ppo_kl=-delta.detach().sum() / n_tok, ratio_mean=ratio_m.sum() / n_tok,
         ratio_max=ratio_m.max() if ratio_m.numel() else torch.zeros_like(n_tok),
-        bias_norm=t.bias_norm, lam=lam, lengths=t.lengths)
+        bias_norm=t.bias_norm, scale=scale, lengths=t.lengths)
 
 
-def _assemble(rho: torch.Tensor, parts, w_loss: torch.Tensor, lam) -> torch.Tensor:
+def _assemble(rho: torch.Tensor, parts, w_loss: torch.Tensor, scale) -> torch.Tensor:
     """loss = agg(λ s) with s = a ρ + b: Σ (λ w a) ρ + Σ λ w b — one dot product in ρ."""
-    seq_lam = lam is not None and lam.dim() > 0  # λ_i per trajectory, else a scalar or None
+    seq_scale = scale is not None and scale.dim() > 0  # λ_i per trajectory, else a scalar or None
     with torch.no_grad():
-        w_l = w_loss * lam.unsqueeze(1) if seq_lam else w_loss  # (N, T)
+        w_l = w_loss * scale.unsqueeze(1) if seq_scale else w_loss  # (N, T)
         const = weighted_sum(parts.const, w_l)
         grad_coef = parts.coef * w_l  # (N, T)
     loss = weighted_sum(rho, grad_coef)
-    if lam is not None and not seq_lam:
-        return (loss + const) * lam
+    if scale is not None and not seq_scale:
+        return (loss + const) * scale
     return loss + const

@@ -25,7 +25,7 @@ Contract (checked when the preset is resolved, one line and exit 1 before any wo
 imports; the attribute is a function decorated with `stabiliser`; it takes exactly two positional
 parameters; `loss_options` names only declared options, each a number (a `check(options)` the
 decorator was given may reject values). Metrics the function returns are named `<name>/<metric>`
-(its own namespace: the preset's name) or are stppo's own keys (`stppo.tracking`); the loss
+(its own namespace: the preset's name) or are stppo's own keys (`stppo.metric_names`); the loss
 itself is logged as `actor/pg_loss` by stppo. `separable=True` promises that the loss of a batch
 is the sum of its parts' losses under the batch's denominators (`agg_loss(..., global_denoms)`),
 so gradient accumulation may backward each micro-batch's share; otherwise (the default, always
@@ -41,7 +41,7 @@ import numbers
 from typing import Any, Callable, Mapping, Optional
 
 from stppo.algos.modes import LOSS_MODES, LossMode, register_loss_mode
-from stppo.tracking import known_metric
+from stppo.metric_names import known_metric
 
 RATIO_LEVELS_ALL = ("token", "turn", "sequence")
 
@@ -139,7 +139,7 @@ def _metric_checked(name: str, fn: Callable) -> Callable:
         bad = [k for k in metrics if not (k.startswith(prefix) or known_metric(k))]
         if bad:
             raise ValueError(f"stabiliser {name!r} returned metric(s) {', '.join(map(repr, bad))}: "
-                             f"name its own metrics '{prefix}…' (or use stppo.tracking's keys)")
+                             f"name its own metrics '{prefix}…' (or use stppo.metric_names's keys)")
         return loss, dict(metrics)
 
     call.__name__ = getattr(fn, "__name__", name)

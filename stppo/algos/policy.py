@@ -32,7 +32,7 @@ from stppo.algos.surrogate import clipped_surrogate
 
 class LossOutput:
     """`policy_loss`'s result: `loss` (0-d, with the graph of log_probs), `metrics` (detached 0-d
-    tensors keyed by `stppo.tracking` constants; a plugin's own under its namespace), and per
+    tensors keyed by `stppo.metric_names` constants; a plugin's own under its namespace), and per
     token, computed on first use: `ratio` (N, T) detached ρ at the spec's ratio level, `clipped`
     (N, T) bool κ, where the clip path's bounds bind (A's sign decides). Unpacks and indexes as
     the pair `(loss, metrics)`."""
@@ -143,7 +143,7 @@ def stability_metrics(loss: torch.Tensor, log_probs: torch.Tensor, old_log_probs
         ratio_max=ratio_m.max() if ratio_m.numel() else n.new_zeros(()).to(ratio.dtype),
         bias_norm=_bias_norm(ratio, adv, sur.clipped, loss_mask, spec.loss_agg, global_denoms,
                              reduce),
-        lam=None, lengths=loss_mask.sum(dim=1))
+        scale=None, lengths=loss_mask.sum(dim=1))
 
 
 def _bias_norm(ratio, adv, clipped, loss_mask, loss_agg, global_denoms, reduce) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Importance ratios at token, turn and sequence level (DESIGN.md §2).
+"""Importance ratios at token, turn and sequence level (docs/design.md §2).
 
 With m the loss mask (agent tokens) and δ_t = clamp(log π_θ(y_t) − log π_old(y_t), −20, 20):
 

@@ -1,6 +1,6 @@
 """Truncated importance sampling between the sampler and the trainer (TIS; verl 0.9.1
 `rollout_corr_helper.compute_rollout_correction_weights` with rollout_is='token', a single
-threshold; verl PR #2953). DESIGN.md §2, "Rollout correction".
+threshold; verl PR #2953). docs/design.md §2, "Rollout correction".
 
 The rollout's sampling log-probs (the sampler: vLLM, or stppo's KV-cached generation) and the
 trainer's recomputed π_old differ (kernels, precision, batching). Per agent token
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from stppo.tracking import (ROLLOUT_IS_ESS, ROLLOUT_IS_FRACTION_HIGH, ROLLOUT_IS_FRACTION_LOW,
+from stppo.metric_names import (ROLLOUT_IS_ESS, ROLLOUT_IS_FRACTION_HIGH, ROLLOUT_IS_FRACTION_LOW,
                             ROLLOUT_IS_MAX, ROLLOUT_IS_MEAN)
 
 SAFETY_BOUND = 20.0

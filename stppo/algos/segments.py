@@ -1,6 +1,6 @@
 """Turn segments: the (row, turn) groups of agent tokens, and the autograd node of the turn ratio.
 
-A turn k of trajectory i is the set of its agent tokens with turn id k (DESIGN.md §1; a turn may
+A turn k of trajectory i is the set of its agent tokens with turn id k (docs/design.md §1; a turn may
 be split by observations). With δ the masked, clamped log-ratio (`stppo.algos.ratios.log_ratio`):
 
     ρ^k = exp( (1/|y^k|) Σ_{t∈k} δ_t ),     ρ_t = ρ^{k(t)}.

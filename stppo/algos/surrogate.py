@@ -1,4 +1,4 @@
-"""The clipped PPO surrogate with decoupled clip range and optional dual clip (DESIGN.md §2).
+"""The clipped PPO surrogate with decoupled clip range and optional dual clip (docs/design.md §2).
 
     s_t = max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε_low, 1 + ε_high))
     dual clip (c > 1, A_t < 0):  s_t = min(s_t, −c A_t)
@@ -6,7 +6,7 @@
 The clipped indicator κ_t = 1[the clip binds] splits into
     κ_high = (A_t > 0) ∧ (ρ_t > 1 + ε_high),   κ_low = (A_t < 0) ∧ (ρ_t < 1 − ε_low).
 Dual-clip binding (A_t < 0 ∧ ρ_t > c) is *not* part of κ: κ is the clipping of the trust region
-whose bias DESIGN.md §2 measures.
+whose bias docs/design.md §2 measures.
 
 Every case is affine in ρ with constant coefficients: s_t = a_t ρ_t + b_t where
     a_t = −A_t, b_t = 0                 when no clip binds,

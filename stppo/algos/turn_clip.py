@@ -1,4 +1,4 @@
-"""The clip path of `policy_loss` at turn level, computed on turn statistics (DESIGN.md §2).
+"""The clip path of `policy_loss` at turn level, computed on turn statistics (docs/design.md §2).
 
 At turn level ρ_t = ρ^k is constant on a turn k, and every per-token term of the clipped loss —
 the coefficient a_t and constant b_t of s_t = a_t ρ_t + b_t, the clip indicators κ, s_t² and the
@@ -187,13 +187,13 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         kappa_s = torch.where(cl.high, s_pos, 0.0) + torch.where(cl.low, s_neg, 0.0)
         return SegmentDot.apply(log_probs, st, kappa_s * rows_corr.unsqueeze(1), live)
 
-    lam, extra = None, {}
+    scale, extra = None, {}
     if spec is not None:
         ctx = ClipContext(bias_norm, bias_rows, lengths, rms_sums, bias_term, params, reduce,
                           correction_grad_norm)
-        lam, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
+        scale, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
     with torch.no_grad():
-        row_l = rows_loss if lam is None else rows_loss * lam  # (N,) λ folds in per row
+        row_l = rows_loss if scale is None else rows_loss * scale  # (N,) λ folds in per row
         const_sum = (const.sum(1) * row_l).sum()
     loss = SegmentDot.apply(log_probs, st, coef * row_l.unsqueeze(1), live) + const_sum
     with torch.no_grad():
@@ -204,6 +204,6 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
             clipfrac_low=n_low / n_tok, ppo_kl=-st.delta_sum.sum() / n_tok,
             ratio_mean=(st.rho * st.count).sum() / n_tok,
             ratio_max=rho_agent.max() if rho_agent.numel() else torch.zeros_like(n_tok),
-            bias_norm=bias_norm, lam=lam, lengths=lengths)
+            bias_norm=bias_norm, scale=scale, lengths=lengths)
     metrics.update(extra)
     return loss, metrics

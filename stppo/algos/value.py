@@ -1,4 +1,4 @@
-"""Critic loss (PPO-style value clipping) and explained variance (DESIGN.md §2, §4).
+"""Critic loss (PPO-style value clipping) and explained variance (docs/design.md §2, §4).
 
     e1 = (V − R)²,  e2 = (clip(V, V_old − ε_v, V_old + ε_v) − R)²
     L_V = ½ agg(max(e1, e2))           (½ agg(e1) when clip_range is None)
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from stppo.algos.aggregation import GlobalDenoms, agg_loss
-from stppo.tracking import VF_CLIPFRAC, VF_LOSS
+from stppo.metric_names import VF_CLIPFRAC, VF_LOSS
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

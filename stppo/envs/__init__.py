@@ -1,4 +1,4 @@
-"""Tasks, retrievers, prompts, the action parser, rewards and the oracle (DESIGN.md §3).
+"""Tasks, retrievers, prompts, the action parser, rewards and the oracle (docs/design.md §3).
 
 Torch-free. Entry points: `build_task`, `build_retriever`, `SearchEnv`, `run_oracle`,
 `tokenizer_texts`; the retrieval server is `python -m stppo.envs.retrieval_server`.

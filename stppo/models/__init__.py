@@ -1,4 +1,4 @@
-"""Policy models, tokenizers, the critic and per-token log-probs (DESIGN.md §5: stppo/models/)."""
+"""Policy models, tokenizers, the critic and per-token log-probs (docs/design.md, "Layout": stppo/models/)."""
 
 from stppo.models.critic import ValueModel
 from stppo.models.loading import (ModelUnavailable, build_random_model, count_parameters,

@@ -1,4 +1,4 @@
-"""The multi-turn batched generation engine → `stppo.batch.Batch` (DESIGN.md §1, §3)."""
+"""The multi-turn batched generation engine → `stppo.batch.Batch` (docs/design.md §1, §3)."""
 
 from stppo.rollout.config import RolloutConfig
 from stppo.rollout.engine import TurnOutput, generate_turn, rollout

@@ -1,4 +1,4 @@
-"""Training: the RL loop, the SFT warm start, checkpoints (DESIGN.md §5: stppo/train/)."""
+"""Training: the RL loop, the SFT warm start, checkpoints (docs/design.md, "Layout": stppo/train/)."""
 
 
 def run(cfg):

@@ -1,5 +1,5 @@
 """The actor's loss from log-probs: the preset's policy loss, the KL term, the entropy bonus and
-the step's diagnostics (DESIGN.md §2, §4).
+the step's diagnostics (docs/design.md §2, §4).
 
 `actor_loss(lp, ent, mb, ctx, scope)` takes the (n, T) log-probs and entropies of minibatch rows
 `mb` — with the policy forward's graph, or detached leaves (`stppo.train.microbatch`) — so one
@@ -19,7 +19,7 @@ from stppo.algos import (LossSpec, agg_loss, agg_weights, clip_bias_term, clippe
 from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
 from stppo.batch import Batch
-from stppo.tracking import ENTROPY, PG_LOSS
+from stppo.metric_names import ENTROPY, PG_LOSS
 from stppo.train.distributed import Dist
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Scope:
 
 
 def whole(mb: Batch, d: Dist, correction_grad_norm: Optional[torch.Tensor] = None) -> Scope:
-    """The minibatch in one call (this rank's rows of it under data parallelism, §6)."""
+    """The minibatch in one call (this rank's rows of it under data parallelism, docs/design.md §5)."""
     return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm)
 
 

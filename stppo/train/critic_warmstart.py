@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import explained_variance, gae, value_loss
 from stppo.cache import cache_dir, content_hash
 from stppo.config import Config

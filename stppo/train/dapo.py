@@ -1,4 +1,4 @@
-"""DAPO's batch-level pieces in the trainer (arXiv 2503.14476 §3.2, §3.4; DESIGN.md §2, "DAPO"):
+"""DAPO's batch-level pieces in the trainer (arXiv 2503.14476 §3.2, §3.4; docs/design.md §2, "DAPO"):
 dynamic sampling with refill, then overlong reward shaping of the trajectory scores.
 
 Dynamic sampling: the step's rollout of Q questions × G samples keeps the groups with reward
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import groups_with_signal, overlong_penalty
 from stppo.batch import PER_TOKEN, Batch
 from stppo.cache import content_hash

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from stppo.tracking import reduce_name
+from stppo.metric_names import reduce_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.config import Config, to_config
 from stppo.tracker import Tracker, flatten
 from stppo.train import checkpoint, distributed

@@ -1,9 +1,9 @@
-"""The training loop, top to bottom (DESIGN.md; cleanrl's shape):
+"""The training loop, top to bottom (docs/design.md; cleanrl's shape):
 
     for step in 1..S:
         rollout with π_old → old/ref log-probs, values → rewards → advantages (prepare.py)
         → ppo_epochs × minibatches of the policy loss, then the critic (update.py)
-        → metrics of DESIGN.md §4 → collapse detector, alarms (on_alarm: stop / rollback)
+        → metrics of docs/design.md §4 → collapse detector, alarms (on_alarm: stop / rollback)
         → MLflow (one batch per step; sampled trajectories as tables, samples.py)
         → validation every `val_every` steps and at the last → checkpoint every `save_every`
 
@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import group_signal_fractions
 from stppo.alarms import AlarmSet
 from stppo.batch import Batch

@@ -1,4 +1,4 @@
-"""Reducing per-minibatch metrics to one value per step (CONVENTIONS.md 5): mean over
+"""Reducing per-minibatch metrics to one value per step: mean over
 minibatches, except `*_max` keys (max) and `*_min` keys (min)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch
 
-from stppo.tracking import reduce_name
+from stppo.metric_names import reduce_name
 
 
 class MetricAccumulator:

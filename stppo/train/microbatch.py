@@ -1,6 +1,6 @@
 """The gradient of one minibatch's loss, accumulated over micro-batches (`trainer.micro_batch_size`
 rows at a time, per rank): the same loss, gradient and metrics as the whole minibatch in one
-forward, with the activations of one micro-batch alive at a time (docs/design.md §6).
+forward, with the activations of one micro-batch alive at a time (docs/design.md §5.1).
 
 Two ways, chosen by the loss (`LossSpec.separable`):
 
@@ -32,7 +32,7 @@ from stppo.algos.aggregation import weighted_sum
 from stppo.algos.clip_bias import Reduce, grads_norm, term_grads
 from stppo.batch import Batch
 from stppo.models import policy_log_probs
-from stppo.tracking import CLIP_BIAS_GRAD_NORM, VF_LOSS
+from stppo.metric_names import CLIP_BIAS_GRAD_NORM, VF_LOSS
 from stppo.train.actor_loss import actor_loss, clip_bias_of, grad_estimator, share, whole
 from stppo.train.distributed import Dist
 

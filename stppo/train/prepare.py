@@ -19,7 +19,7 @@ from stppo.algos import compute_advantages, kl_in_reward
 from stppo.batch import Batch
 from stppo.config import AlgoConfig
 from stppo.models import Precision, policy_log_probs
-from stppo.tracking import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
+from stppo.metric_names import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
 FORWARD_CHUNK = 64  # rows per no-grad forward, unless trainer.micro_batch_size says otherwise
@@ -39,7 +39,7 @@ def _log_probs(model):
 
 
 def outcome_rewards(batch: Batch) -> torch.Tensor:
-    """(N, T): the trajectory's score at its last agent token, 0 elsewhere (DESIGN.md §1)."""
+    """(N, T): the trajectory's score at its last agent token, 0 elsewhere (docs/design.md §1)."""
     n, t = batch.input_ids.shape
     pos = torch.arange(t, device=batch.input_ids.device).expand(n, t)  # (N, T)
     last = torch.where(batch.loss_mask, pos, -1).max(dim=1).values  # (N,) -1: no agent token
@@ -86,7 +86,7 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
-        lam=algo.gae_lambda, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce)
+        gae_lambda=algo.gae_lambda, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce)
     mean, std, mx, mn = masked_stats(adv, batch.loss_mask)
     metrics.update({ADV_MEAN: mean, ADV_STD: std, ADV_MAX: mx, ADV_MIN: mn,
                     RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})

@@ -1,4 +1,4 @@
-"""Sampled trajectories as MLflow tables (DESIGN.md §4, "Sampled trajectories").
+"""Sampled trajectories as MLflow tables (docs/design.md §4, "Sampled trajectories").
 
 Every `diagnostics.samples_every` steps, and at the detected collapse, M trajectories of the
 step's batch are logged as the table artifact `samples/step_{step:06d}.json`: one row per
@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.batch import Batch
 from stppo.envs.actions import parse_action
 from stppo.models import Precision, policy_log_probs

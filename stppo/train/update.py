@@ -19,7 +19,7 @@ from stppo.algos import explained_variance
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, Config, TrainerConfig
 from stppo.models import Precision
-from stppo.tracking import (CRITIC_GRAD_NORM, GRAD_NORM, GRAD_NORM_MAX, LR, SKIPPED_STEPS,
+from stppo.metric_names import (CRITIC_GRAD_NORM, GRAD_NORM, GRAD_NORM_MAX, LR, SKIPPED_STEPS,
                             VF_EXPLAINED_VAR)
 from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import (agg_loss, reinforce_pp_advantages, rloo_advantages,
                          truncated_is_weights)
 

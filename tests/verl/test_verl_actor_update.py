@@ -22,7 +22,7 @@ from actor_update import (CPU_PRESETS, DEVICE, PAPER_PRESETS, as_logged, build_w
                           weights)
 from local_model import make_random_model
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.integrations.verl.metrics import LOSS_COPIES, copy_values, turn_copies
 from stppo.integrations.verl.overrides import per_turn_count
 

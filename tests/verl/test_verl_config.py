@@ -12,7 +12,7 @@ from hydra.errors import InstantiationException
 
 from stppo.algos import PRESETS
 from stppo.integrations.verl.config import TARGET, StppoPolicyLossConfig
-from stppo.tracking import CLIP_BIAS_NORM, CLIP_BIAS_SCALE
+from stppo.metric_names import CLIP_BIAS_NORM, CLIP_BIAS_SCALE
 from verl_batch import floats, make_batch, run_ppo_loss
 
 PL = "actor_rollout_ref.actor.policy_loss"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import sampler_mismatch
 
 

@@ -12,7 +12,7 @@ import torch
 
 from stppo.algos import LOSS_MODES, PRESETS, Correction, policy_loss
 from stppo.algos.segments import turn_ids_from_mask
-from stppo.tracking import (CLIP_BIAS_SCALE, PG_CLIPFRAC, PG_CLIPFRAC_LOWER, PG_LOSS, PPO_KL)
+from stppo.metric_names import (CLIP_BIAS_SCALE, PG_CLIPFRAC, PG_CLIPFRAC_LOWER, PG_LOSS, PPO_KL)
 from verl_batch import floats, make_batch, run_ppo_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -118,7 +118,7 @@ def test_sequence_means_count_every_row_of_the_mini_batch(actor_config, name, ag
 def test_correction_scale_is_per_micro_batch(actor_config, name):
     """Under verl, λ of S-/ST-/SO-PPO (batch granularity) is each micro-batch's own: each
     micro-batch loss is policy_loss of its rows alone (global denominators, its own λ), and the
-    micro-batch losses do not sum to the mini-batch's (docs/design.md §7)."""
+    micro-batch losses do not sum to the mini-batch's (docs/design.md §6)."""
     agg = "seq-mean-token-mean"
     cfg = actor_config(f"stppo_{name}", agg, **knobs(name))
     b = make_batch(seed=4)

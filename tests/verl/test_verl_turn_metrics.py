@@ -9,7 +9,7 @@ import pytest
 import torch
 from verl_batch import floats, make_batch, run_ppo_loss
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.algos import PRESETS, turn_breakdown
 from stppo.algos.ratios import importance_ratio
 from stppo.algos.segments import turn_ids_from_mask

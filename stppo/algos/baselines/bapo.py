@@ -34,7 +34,7 @@ import torch
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
 from stppo.algos.clip_bias import Reduce
 from stppo.algos.surrogate import surrogate_parts
-from stppo.tracking import BAPO_CLIP_HIGH, BAPO_CLIP_LOW, BAPO_POS_SHARE
+from stppo.metric_names import BAPO_CLIP_HIGH, BAPO_CLIP_LOW, BAPO_POS_SHARE
 
 DEFAULTS = {"rho0": 0.4, "lower_max": 0.9, "upper_max": 3.0, "lower_step": 0.02,
             "upper_step": 0.05}

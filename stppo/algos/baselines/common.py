@@ -1,4 +1,4 @@
-"""What every baseline loss shares: the token view of a batch and the metric set (DESIGN.md §2).
+"""What every baseline loss shares: the token view of a batch and the metric set (docs/design.md §2).
 
 Masking comes first, as in `policy_loss`: δ = clamp(log π_θ − log π_old, −20, 20) on agent tokens
 and exactly 0 elsewhere, so garbage (nan/inf) on prompt, observation and padding positions reaches
@@ -25,7 +25,7 @@ import torch
 from stppo.algos.aggregation import GlobalDenoms, agg_row_weights, mask_float, weighted_sum
 from stppo.algos.clip_bias import Reduce
 from stppo.algos.ratios import log_ratio
-from stppo.tracking import (CLIP_BIAS_NORM, CLIP_BIAS_NORM_MAX, CLIP_BIAS_SCALE,
+from stppo.metric_names import (CLIP_BIAS_NORM, CLIP_BIAS_NORM_MAX, CLIP_BIAS_SCALE,
                             CLIP_BIAS_TRIGGERED, PG_CLIPFRAC, PG_CLIPFRAC_HIGH, PG_CLIPFRAC_LOW,
                             PG_LOSS, PG_LOSS_NORM, PPO_KL, RATIO_MAX, RATIO_MEAN)
 

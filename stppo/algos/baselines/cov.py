@@ -27,7 +27,7 @@ import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
 from stppo.algos.surrogate import surrogate_parts
-from stppo.tracking import COV_SELECTED_FRAC
+from stppo.metric_names import COV_SELECTED_FRAC
 
 CLIP_COV_DEFAULTS = {"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
 KL_COV_DEFAULTS = {"kl_cov_ratio": 2e-4, "ppo_kl_coef": 0.1}

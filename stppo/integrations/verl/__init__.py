@@ -1,4 +1,4 @@
-"""stppo inside verl (docs/design.md §8): policy losses, search tool, data, reward, launcher.
+"""stppo inside verl (docs/design.md §7): policy losses, search tool, data, reward, launcher.
 
 - `losses`: every preset's policy loss with verl's policy-loss signature (torch + stppo.algos).
 - `plugin`: registers them in verl's policy-loss registry as `stppo_<preset>`; the target of the

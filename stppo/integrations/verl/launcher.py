@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.cache import content_hash
 from stppo.config import Config, to_config
 from stppo.integrations.verl import data as D
@@ -42,7 +42,7 @@ from stppo.integrations.verl.monitor import RunMonitor
 from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
                                                model_source, per_turn_count, verl_overrides)
 from stppo.tracker import Tracker, absolute_uri, flatten, resolve_uri
-from stppo.tracking_io import call
+from stppo.mlflow_store import call
 
 log = logging.getLogger(__name__)
 STDERR_TAIL = 20  # lines of verl's stderr kept for the run's error note

@@ -37,7 +37,7 @@ from stppo.algos.breakdown import turn_breakdown
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.integrations.verl import loss_mode
 from stppo.integrations.verl.metrics import TURN_WEIGHT, TURN_WEIGHTED
-from stppo.tracking import PG_CLIPFRAC_LOWER, turn_key
+from stppo.metric_names import PG_CLIPFRAC_LOWER, turn_key
 
 # verl's loss_agg_mode → stppo's loss_agg. verl's `token-sum` and `seq-mean-token-sum-norm` have
 # no stppo counterpart (the correction's τ is defined on stppo's three forms): rejected.

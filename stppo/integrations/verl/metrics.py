@@ -2,14 +2,14 @@
 
 verl's MLflow logger (`verl.utils.tracking._MlflowLoggingAdapter`) writes verl's keys into the
 run, sanitised ('@' → '_at_'); the run monitor (`monitor.py`) copies the ones stppo reads under
-stppo's names (`stppo.tracking` constants), step by step, so that sweeps, the collapse rule, the
+stppo's names (`stppo.metric_names` constants), step by step, so that sweeps, the collapse rule, the
 alarms, the analysis and the dashboard read a verl run exactly like an own run. Three kinds:
 
 - TRAIN_COPIES: verl's own trainer metrics (score, turns, advantages, timing), one by one;
 - LOSS_COPIES: the metrics of stppo's policy loss outside `actor/`. verl's trainer logs the actor
   update's metrics through `rename_dict(metrics, "actor/")`, which prefixes every key not starting
   with `actor/` (`as_logged`): `clip_bias/norm` is in the run as `actor/clip_bias/norm`. The list
-  is every `stppo.tracking` key outside `actor/`, so a new loss metric needs no entry here; one
+  is every `stppo.metric_names` key outside `actor/`, so a new loss metric needs no entry here; one
   that no loss returns is never in the run and costs nothing;
 - `turn_copies(K)`: the per-turn keys, which the loss returns weighted by their turn's tokens
   (`losses.verl_turn_metrics`) and the monitor divides back.
@@ -23,13 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from stppo import tracking as K
+from stppo import metric_names as K
 
 
 @dataclass(frozen=True)
 class Copy:
     verl: str  # key in the run, as verl's MLflow logger writes it
-    stppo: str  # stppo.tracking constant
+    stppo: str  # stppo.metric_names constant
     scale: float = 1.0  # stppo value = scale × verl value
     why: str = ""
     per: str = ""  # divide by this key's value at the same step (no value where it is 0)

@@ -26,13 +26,13 @@ import logging
 import math
 from typing import Mapping
 
-from stppo import tracking as K
+from stppo import metric_names as K
 from stppo.alarms import INDICATORS, AlarmConfig, AlarmSet
 from stppo.diagnostics import CollapseConfig, CollapseDetector
 from stppo.integrations.verl.metrics import (LOSS_COPIES, NONFINITE_KEYS, SAME_NAME, STEP_KEY, TRAIN_COPIES,
                                              copy_values, namespace_copies, turn_copies, val_key)
 from stppo.tracker import Tracker
-from stppo.tracking_io import call
+from stppo.mlflow_store import call
 
 log = logging.getLogger(__name__)
 # What the alarms may read under the same name in both (actor/grad_norm, response_length/mean, …).

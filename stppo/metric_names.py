@@ -1,6 +1,6 @@
-"""The metric keys and run tags of DESIGN.md §4.
+"""The metric keys and run tags of docs/design.md §4.
 
-The constants below are the one place these strings are spelled (CONVENTIONS.md 5): the trainer,
+The constants below are the one place these strings are spelled: the trainer,
 sweeps, analysis and the dashboard import them. This module imports neither torch nor mlflow, so
 `analysis/` and `dashboard/` can use the constants cheaply; the MLflow logging is `stppo.tracker`.
 Every metric is reduced the same way over minibatches: mean, except `*_max` keys (max).
@@ -34,7 +34,7 @@ CLIP_BIAS_GRAD_NORM = "clip_bias/grad_norm"
 CLIP_BIAS_SCALE = "clip_bias/scale"
 CLIP_BIAS_TRIGGERED = "clip_bias/triggered"
 
-# --- baselines' own diagnostics (stppo.algos.baselines; DESIGN.md §2) ---------------------------
+# --- baselines' own diagnostics (stppo.algos.baselines; docs/design.md §2) ---------------------------
 COV_SELECTED_FRAC = "actor/cov_selected_frac"  # clip_cov: tokens detached; kl_cov: tokens penalised
 BAPO_CLIP_LOW = "actor/bapo_clip_low"  # the adaptive ratio bounds c_low, c_high BAPO chose
 BAPO_CLIP_HIGH = "actor/bapo_clip_high"
@@ -177,7 +177,7 @@ RUN_TAGS: tuple[str, ...] = (TAG_ALGO, TAG_MODEL, TAG_TASK, TAG_SEED, TAG_SWEEP,
 
 
 def reduce_name(key: str) -> str:
-    """'max' for `*_max` keys, 'min' for `*_min` keys, 'mean' otherwise (CONVENTIONS.md 5);
+    """'max' for `*_max` keys, 'min' for `*_min` keys, 'mean' otherwise;
     per-turn keys by their name (`turn/k2/ratio_max` -> 'max')."""
     turn = parse_turn_key(key)
     if turn is not None:
@@ -186,5 +186,5 @@ def reduce_name(key: str) -> str:
 
 
 def known_metric(key: str) -> bool:
-    """A key of DESIGN.md §4: one of ALL_METRICS, a per-turn key or an alarm key."""
+    """A key of docs/design.md §4: one of ALL_METRICS, a per-turn key or an alarm key."""
     return key in ALL_METRICS or parse_turn_key(key) is not None or key.startswith(ALARM_PREFIX)
