@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from layouts import multi_turn_layout
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, TrainerConfig
 from stppo.models import ValueModel
@@ -65,22 +66,8 @@ def algo_config(case: str) -> AlgoConfig:
 def global_batch() -> Batch:
     """A deterministic multi-turn batch: prompt, then agent turns separated by observations."""
     g = torch.Generator().manual_seed(1234)
-    n = N_GROUPS * GROUP
-    ids = torch.randint(1, VOCAB, (n, T), generator=g)
-    attn = torch.zeros(n, T, dtype=torch.bool)
-    loss = torch.zeros(n, T, dtype=torch.bool)
-    turns = torch.full((n, T), -1, dtype=torch.long)
-    for i in range(n):
-        length = int(torch.randint(T - 8, T + 1, (1,), generator=g))
-        attn[i, :length] = True
-        pos, turn = 4, 0  # 4 prompt tokens
-        while pos < length:
-            a = int(torch.randint(2, 6, (1,), generator=g))
-            loss[i, pos:min(pos + a, length)] = True
-            turns[i, pos:min(pos + a, length)] = turn
-            pos += a + int(torch.randint(2, 5, (1,), generator=g))  # then an observation
-            turn += 1
-    ids = torch.where(attn, ids, 0)
+    ids, attn, loss, turns = multi_turn_layout(g, N_GROUPS * GROUP, T, VOCAB, prompt=4, action=(2, 6),
+                                               gap=(2, 5), shortest=8)
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
                  group_ids=torch.arange(N_GROUPS).repeat_interleave(GROUP), scores=scores)

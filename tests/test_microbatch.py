@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from layouts import multi_turn_layout
 from stppo.algos import LOSS_MODES, LossSpec
 from stppo.batch import Batch
 from stppo.config import (AlgoConfig, CorrectionConfig, KLConfig, RolloutISConfig, TrainerConfig)
@@ -36,20 +37,8 @@ def _batch(policy) -> Batch:
     agent tokens; old log-probs off the current policy (ratios up to e^±0.6, so clips bind),
     sampler and reference log-probs, advantages, values and returns."""
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, VOCAB, (N, T), generator=g)
-    attn = torch.zeros(N, T, dtype=torch.bool)
-    loss = torch.zeros(N, T, dtype=torch.bool)
-    turns = torch.full((N, T), -1, dtype=torch.long)
-    for i in range(N):
-        length = int(torch.randint(T - 10, T + 1, (1,), generator=g))
-        attn[i, :length] = True
-        pos, turn = 3, 0
-        while pos < length and i != 5:  # row 5: prompt only
-            a = int(torch.randint(1, 6, (1,), generator=g))
-            loss[i, pos:min(pos + a, length)] = True
-            turns[i, pos:min(pos + a, length)] = turn
-            pos, turn = pos + a + int(torch.randint(1, 4, (1,), generator=g)), turn + 1
-    ids = torch.where(attn, ids, 0)
+    ids, attn, loss, turns = multi_turn_layout(g, N, T, VOCAB, prompt=3, action=(1, 6), gap=(1, 4),
+                                               shortest=10, no_agent_rows=(5,))  # row 5: prompt only
     with torch.no_grad():
         lp = policy_log_probs(policy, ids, attn, positions=loss)
 
