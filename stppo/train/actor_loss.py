@@ -9,7 +9,7 @@ assembly serves the whole-minibatch loss, a micro-batch's share of it and the me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -20,10 +20,9 @@ from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
 from stppo.batch import Batch
 from stppo.metric_names import ENTROPY, PG_LOSS
+from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
 
-if TYPE_CHECKING:
-    from stppo.train.update import UpdateContext
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ def tis_weights(spec: LossSpec, mb: Batch, old: torch.Tensor) -> Optional[torch.
     return w
 
 
-def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: "UpdateContext",
+def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContext,
                scope: Scope, params: Optional[list] = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of rows `mb` from their log-probs `lp` and entropies `ent` (n, T).
     `params`: the policy parameters, read by the `grad` estimator unless `scope` brings ‖C‖."""
@@ -120,7 +119,7 @@ def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDeno
 
 
 def diagnostics(out, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
-                ctx: "UpdateContext") -> dict[str, torch.Tensor]:
+                ctx: UpdateContext) -> dict[str, torch.Tensor]:
     """The minibatch's per-turn breakdown (from the loss's own ρ and κ, `out`) and
     sampler-vs-trainer mismatch (docs/design.md §4)."""
     m: dict[str, torch.Tensor] = {}

@@ -23,7 +23,7 @@ that have the graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,10 +34,9 @@ from stppo.batch import Batch
 from stppo.models import policy_log_probs
 from stppo.metric_names import CLIP_BIAS_GRAD_NORM, VF_LOSS
 from stppo.train.actor_loss import actor_loss, clip_bias_of, grad_estimator, share, whole
+from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
 
-if TYPE_CHECKING:
-    from stppo.train.update import UpdateContext
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -55,7 +54,7 @@ def minibatch_denoms(loss_mask: torch.Tensor, d: Dist):
 
 def backward_parts(parts: Sequence[Batch], forward: Callable[[Batch], Outputs],
                    objective: Callable[[int, Batch, Outputs], torch.Tensor],
-                   ctx: "UpdateContext") -> Outputs:
+                   ctx: UpdateContext) -> Outputs:
     """For each part k: outputs = forward(part) with graph, objective(k, part, outputs).backward()
     (gradients accumulate in `.grad`). Returns the detached outputs, concatenated over parts."""
     outs = []
@@ -85,7 +84,7 @@ class GradSum:
 
 
 # -- the actor -----------------------------------------------------------------------------------
-def _forward(policy, ctx: "UpdateContext", entropy: bool = True):
+def _forward(policy, ctx: UpdateContext, entropy: bool = True):
     """Part → (log-probs, entropies) (n, T), agent tokens only; the entropies carry a graph only
     when the loss has an entropy bonus."""
     def fn(mb: Batch) -> Outputs:
@@ -95,7 +94,7 @@ def _forward(policy, ctx: "UpdateContext", entropy: bool = True):
     return fn
 
 
-def actor_backward(policy, mb: Batch, ctx: "UpdateContext", params: list[torch.Tensor],
+def actor_backward(policy, mb: Batch, ctx: UpdateContext, params: list[torch.Tensor],
                    exact_bias: bool) -> tuple[torch.Tensor, dict]:
     """Accumulate ∇θ of minibatch `mb`'s actor loss in the parameters' `.grad` (none when that
     loss is not finite and `mb` is one part); return (loss, metrics) of the whole minibatch.
@@ -108,7 +107,7 @@ def actor_backward(policy, mb: Batch, ctx: "UpdateContext", params: list[torch.T
     return way(policy, mb, parts, denoms, ctx, params, exact_bias)
 
 
-def whole_actor_loss(policy, mb: Batch, ctx: "UpdateContext", params: list[torch.Tensor],
+def whole_actor_loss(policy, mb: Batch, ctx: UpdateContext, params: list[torch.Tensor],
                      exact_bias: bool) -> tuple[torch.Tensor, dict]:
     """(loss with graph, metrics) of minibatch `mb` in one forward."""
     scope = whole(mb, ctx.dist)
@@ -177,13 +176,13 @@ def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
     return loss.detach(), m
 
 
-def _no_grad_forward(policy, part: Batch, ctx: "UpdateContext") -> Outputs:
+def _no_grad_forward(policy, part: Batch, ctx: UpdateContext) -> Outputs:
     with ctx.precision.autocast():
         return _forward(policy, ctx)(part)
 
 
 # -- the critic ----------------------------------------------------------------------------------
-def critic_backward(critic, mb: Batch, ctx: "UpdateContext") -> tuple[torch.Tensor, dict]:
+def critic_backward(critic, mb: Batch, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
     """Accumulate ∇θ of minibatch `mb`'s value loss in `.grad`; return (loss, metrics). The value
     loss is a sum over tokens given its denominators: each part backwards its share."""
     algo, d = ctx.algo, ctx.dist

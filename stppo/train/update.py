@@ -11,43 +11,17 @@ minibatch's own detached log-probs stand in for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from stppo.algos import explained_variance
 from stppo.batch import Batch
-from stppo.config import AlgoConfig, Config, TrainerConfig
-from stppo.models import Precision
+from stppo.config import Config
 from stppo.metric_names import (CRITIC_GRAD_NORM, GRAD_NORM, GRAD_NORM_MAX, LR, SKIPPED_STEPS,
                             VF_EXPLAINED_VAR)
+from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 from stppo.train.microbatch import actor_backward, critic_backward, whole_actor_loss
-
-
-@dataclass
-class UpdateContext:
-    """What the update needs besides the batch; `opt_steps` counts optimizer steps over the run
-    (it schedules the exact clip-bias diagnostic)."""
-    algo: AlgoConfig
-    trainer: TrainerConfig
-    generator: torch.Generator
-    opt_steps: int = 0
-    nan_at_first_minibatch: bool = False  # fault injection for tests (trainer.debug_nan_steps)
-    dist: Dist = Dist()  # data parallelism (stppo.train.distributed); one process by default
-    precision: Precision = Precision()  # autocast for the forwards (stppo.models.precision)
-    max_turns: int = 0  # > 0: log the per-turn breakdown of turns 0..max_turns-1
-
-    @property
-    def minibatch_rows(self) -> int:
-        """Rows of this rank's share of one global minibatch of `trainer.minibatch_size`."""
-        return self.trainer.minibatch_size // self.dist.world
-
-    @property
-    def micro_rows(self) -> int:
-        """Rows per forward/backward inside a minibatch (`trainer.micro_batch_size`, else all)."""
-        return self.trainer.micro_batch_size or self.minibatch_rows
 
 
 def old_log_probs_from_update(cfg: Config) -> bool:
