@@ -106,6 +106,26 @@ ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
 ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
 ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
 ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
+# verl's compute_offpolicy_metrics (rollout_corr_helper): perplexities of the trainer's π_old and
+# the sampler on agent tokens, their ratio, and χ² divergences of the ratio π_old / π_rollout.
+ROLLOUT_CORR_TRAINING_PPL = "rollout_corr/training_ppl"
+ROLLOUT_CORR_TRAINING_LOG_PPL = "rollout_corr/training_log_ppl"
+ROLLOUT_CORR_ROLLOUT_PPL = "rollout_corr/rollout_ppl"
+ROLLOUT_CORR_ROLLOUT_LOG_PPL = "rollout_corr/rollout_log_ppl"
+ROLLOUT_CORR_LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
+ROLLOUT_CORR_LOG_PPL_DIFF_MAX = "rollout_corr/log_ppl_diff_max"
+ROLLOUT_CORR_LOG_PPL_DIFF_MIN = "rollout_corr/log_ppl_diff_min"
+ROLLOUT_CORR_PPL_RATIO = "rollout_corr/ppl_ratio"
+ROLLOUT_CORR_CHI2_TOKEN = "rollout_corr/chi2_token"
+ROLLOUT_CORR_CHI2_SEQ = "rollout_corr/chi2_seq"
+
+# --- stale rollouts (trainer.offpolicy; docs/design.md §3) ---------------------------------------
+# The lag (in training steps) of the policy that sampled the step's batch — the batch of step t
+# was sampled by the policy as it was after step t − lag — its mean and max over the batch's
+# groups, and KL(π_stale ‖ π_current) on agent tokens (k1: mean log π_stale − log π_old).
+OFFPOLICY_LAG_MEAN = "offpolicy/lag_mean"
+OFFPOLICY_LAG_MAX = "offpolicy/lag_max"
+OFFPOLICY_KL_TO_CURRENT = "offpolicy/kl_to_current"
 
 # --- per turn: `turn/k{k}/{name}` for k = 0 .. max_turns-1 ------------------------------------
 TURN_PREFIX = "turn/k"
