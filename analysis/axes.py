@@ -106,11 +106,12 @@ def split_label(runs: pd.DataFrame, columns: Sequence[str]) -> pd.Series:
     (`grpo · lag 2`, `ppo · frontier_l3 · lag 4 uniform`); the preset label alone otherwise."""
     label = runs["algo"].astype(str)
     for col in columns:
-        if col == "lag" and varies(runs, "lag"):
-            modes = runs["lag_mode"] if varies(runs, "lag_mode") else pd.Series(None, index=runs.index)
+        if col == "lag" and varies(runs, "lag"):  # with its mode where the modes vary and are asked for
+            with_mode = "lag_mode" in columns and varies(runs, "lag_mode")
+            modes = runs["lag_mode"] if with_mode else [None] * len(runs)
             label = label + " · " + pd.Series([lag_label(k, m) for k, m in zip(runs["lag"], modes)],
                                               index=runs.index)
-        elif col != "lag" and varies(runs, col):
-            label = label + " · " + runs[col].astype(str)
+        elif col not in ("lag", "lag_mode") or (col == "lag_mode" and "lag" not in columns):
+            label = label + (" · " + runs[col].astype(str) if varies(runs, col) else "")
     return label
 

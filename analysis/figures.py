@@ -36,6 +36,21 @@ STYLES = ("-", "--", ":", "-.")
 FIG3_METRICS = (T.SUCCESS_RATE, T.GRAD_NORM, T.PG_LOSS_NORM, T.CLIP_BIAS_NORM)
 FIG5_METRICS = (T.PG_CLIPFRAC, T.PPO_KL, T.KL_REF)
 ADVANTAGES = (T.ADV_MEAN, T.ADV_STD, T.ADV_MAX, T.ADV_MIN)
+# Sampler vs trainer mismatch and stale rollouts next to Fig. 2's panels (title, keys; a panel shows
+# the keys a run logged): verl's rollout_corr/* and stppo's offpolicy/* (docs/design.md §4)
+MISMATCH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sampler vs trainer KL", (T.ROLLOUT_CORR_KL, T.ROLLOUT_CORR_K3_KL, T.ROLLOUT_CORR_LOG_PPL_DIFF,
+                               T.ROLLOUT_CORR_LOG_PPL_ABS_DIFF)),
+    ("χ² of π_old / π_rollout", (T.ROLLOUT_CORR_CHI2_TOKEN, T.ROLLOUT_CORR_CHI2_SEQ)),
+    ("perplexity (trainer, sampler)", (T.ROLLOUT_CORR_TRAINING_PPL, T.ROLLOUT_CORR_ROLLOUT_PPL,
+                                       T.ROLLOUT_CORR_PPL_RATIO)),
+    ("IS weights", (T.ROLLOUT_IS_MEAN, T.ROLLOUT_IS_MAX)),
+    ("IS effective sample size, out-of-bound shares", (T.ROLLOUT_IS_ESS, T.ROLLOUT_IS_FRACTION_HIGH,
+                                                       T.ROLLOUT_IS_FRACTION_LOW)),
+    ("staleness: lag of the sampling policy (steps)", (T.OFFPOLICY_LAG_MEAN, T.OFFPOLICY_LAG_MAX)),
+    ("KL of the stale policy to the current one", (T.OFFPOLICY_KL_TO_CURRENT,)),
+)
+TURN_MISMATCH = "rollout_kl"  # the per-turn sampler/trainer KL `turn/k{k}/rollout_kl`
 
 
 def preset_color(algo: str):

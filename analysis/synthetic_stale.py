@@ -22,9 +22,9 @@ import numpy as np
 from stppo import metric_names as T
 
 from .axes import CORRECTION_PARAM, LAG_MODE_PARAM, LAG_PARAM, NO_CORRECTION
+from .figures import TURN_MISMATCH
 from .synthetic import alarm_flags, experiment_id, write_run
 
-ROLLOUT_KL_TURN = "rollout_kl"  # the per-turn sampler/trainer KL, `turn/k{k}/rollout_kl`
 LEAD = 4  # the mismatch jumps this many steps before the onset
 
 
@@ -81,7 +81,7 @@ def stale_series(steps: int, *, lag: int, collapse_at: int | None, lag_mode: str
                 T.OFFPOLICY_LAG_MAX: np.full_like(s, lag),
                 T.OFFPOLICY_KL_TO_CURRENT: 1e-3 * lag * jump * noise()}
     for k in range(turns):
-        out[turn_metric(k, ROLLOUT_KL_TURN)] = kl * (1 + k) * noise()
+        out[turn_metric(k, TURN_MISMATCH)] = kl * (1 + k) * noise()
     series = {key: [(int(a), float(b)) for a, b in zip(s, v)] for key, v in out.items()}
     val_steps = sorted({0, *range(10, steps + 1, 10), steps})
     series[T.VAL_SUCCESS_RATE] = [(v, 0.8 if v < c else 0.05) for v in val_steps]

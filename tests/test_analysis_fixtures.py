@@ -155,3 +155,21 @@ def build_workbench_store(root: Path) -> str:
 @pytest.fixture(scope="session")
 def workbench_uri(tmp_path_factory) -> str:
     return build_workbench_store(tmp_path_factory.getbasetemp() / "workbench_store")
+
+
+def build_stale_store(root: Path) -> str:
+    """A store of the two stale experiments only (the dashboard opens on `stale_a`)."""
+    from analysis.synthetic_stale import write_stale_study
+
+    root.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    if not (root / "done").exists():
+        write_stale_study(uri, STALE)
+        write_stale_study(uri, STALE_B, stale_b_cells())
+        (root / "done").touch()
+    return uri
+
+
+@pytest.fixture(scope="session")
+def stale_uri(tmp_path_factory) -> str:
+    return build_stale_store(tmp_path_factory.getbasetemp() / "stale_store")

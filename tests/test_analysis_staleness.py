@@ -13,7 +13,8 @@ from test_analysis_fixtures import STALE, STALE_B, stale_b_cells, workbench_uri 
 from analysis import load_study
 from analysis.axes import base_preset, preset_label, split_label, with_axes
 from analysis.frontier import build_frontier, cell_table, contrast_table, main, pairwise_table
-from analysis.synthetic_stale import STALE_CELLS, ROLLOUT_KL_TURN, turn_metric
+from analysis.figures import TURN_MISMATCH
+from analysis.synthetic_stale import STALE_CELLS, turn_metric
 from stppo import metric_names as T
 
 
@@ -39,7 +40,10 @@ def test_axes_from_params_with_defaults_for_older_runs():
 def test_split_label_names_only_what_varies():
     runs = pd.DataFrame({"algo": ["ppo", "ppo", "grpo"], "lag": [0, 2, 2], "lag_mode": ["fixed", "fixed", "uniform"],
                          "experiment": ["e", "e", "e"]})
-    assert split_label(runs, ["experiment", "lag"]).tolist() == ["ppo · lag 0", "ppo · lag 2", "grpo · lag 2 uniform"]
+    both = ["ppo · lag 0", "ppo · lag 2", "grpo · lag 2 uniform"]
+    assert split_label(runs, ["experiment", "lag", "lag_mode"]).tolist() == both
+    assert split_label(runs, ["lag"]).tolist() == ["ppo · lag 0", "ppo · lag 2", "grpo · lag 2"]
+    assert split_label(runs, ["lag_mode"]).tolist() == ["ppo · fixed", "ppo · fixed", "grpo · uniform"]
     assert split_label(runs.iloc[:1], ["lag"]).tolist() == ["ppo"]
 
 
@@ -106,7 +110,7 @@ def test_synthetic_stale_runs_log_the_mismatch_and_staleness_metrics(stale):
     m = stale.metrics
     ppo0 = stale.runs[(stale.runs["experiment"] == STALE) & (stale.runs["algo"] == "ppo")]["run_id"]
     names = set(m["metric"].astype(str))
-    assert {T.ROLLOUT_CORR_CHI2_TOKEN, T.OFFPOLICY_KL_TO_CURRENT, turn_metric(2, ROLLOUT_KL_TURN)} <= names
+    assert {T.ROLLOUT_CORR_CHI2_TOKEN, T.OFFPOLICY_KL_TO_CURRENT, turn_metric(2, TURN_MISMATCH)} <= names
     assert {T.alarm_key("rollout_chi2"), T.alarm_key("offpolicy_kl")} <= names
     lag_keys = set(stale.params.loc[stale.params["run_id"].isin(ppo0), "key"])
     assert "trainer.offpolicy.lag" in lag_keys  # ppo at lag 0 is the only cell written without it
