@@ -178,3 +178,50 @@ def test_cli_parquet_with_experiment_filter_and_errors(stale, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--axis", "lag", "--out", str(out)])
     assert e.value.code == 2 and "--parquet DIR (exported) or --experiment NAME" in capsys.readouterr().err
+
+
+def _cells() -> pd.DataFrame:
+    return cell_table(_runs().assign(lag_mode=["fixed"] * 12 + ["uniform"] * 3), x=("lag", "lag_mode"))
+
+
+def test_fig_frontier_over_the_lag_styles_corrections_and_lag_modes():
+    from analysis.figures import fig_frontier
+
+    fig = fig_frontier(_cells(), [0, 2], x="lag", labels={0: "lag 0", 2: "lag 2"}, xlabel="lag k")
+    ax = fig.axes[0]
+    lines = {t.get_text(): h for h, t in zip(ax.get_legend().legend_handles, ax.get_legend().get_texts())}
+    assert set(lines) == {"ppo (fixed)", "grpo (fixed)", "grpo+decoupled_geo_rs (uniform)"}
+    drawn = {c.get_label(): c.lines[0] for c in ax.containers}  # errorbar: (data line, caps, bars)
+    assert drawn["grpo+decoupled_geo_rs (uniform)"].get_linestyle() == "-."  # corrected and not fixed
+    assert drawn["grpo (fixed)"].get_linestyle() == "-" and drawn["grpo (fixed)"].get_color() == drawn[
+        "grpo+decoupled_geo_rs (uniform)"].get_color()  # a preset's colour, whatever its correction
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["lag 0", "lag 2"] and ax.get_xlabel() == "lag k"
+
+
+def test_frontier_chart_spec_over_the_lag_and_per_level():
+    from analysis.charts import frontier_chart
+
+    spec = frontier_chart(_cells(), "lag", [0, 2]).to_dict()
+    rule, line = spec["layer"]
+    assert (rule["mark"]["type"], rule["encoding"]["y2"]["field"]) == ("rule", "collapse_p_high")
+    assert line["encoding"]["x"]["sort"] == ["lag 0", "lag 2"] and line["encoding"]["xOffset"]["field"] == "series"
+    assert spec["autosize"] == {"type": "pad", "contains": "padding"}
+    data = next(iter(spec["datasets"].values()))
+    assert {d["series"] for d in data} == {"ppo (fixed)", "grpo (fixed)", "grpo+decoupled_geo_rs (uniform)"}
+    assert {d["k/n"] for d in data if d["series"] == "ppo (fixed)"} == {"0/3", "3/3"}
+    assert {d["corrected"] for d in data} == {"", "corrected"}  # dashed through strokeDash
+    grid = frontier_chart(_cells().assign(level="l1"), "lag", [0, 2]).to_dict()
+    assert grid["facet"]["column"]["field"] == "level"
+
+
+def test_turn_frame_reads_rollout_kl_before_and_after_it_joins_turn_metrics(monkeypatch):
+    from analysis import charts as C
+
+    metrics = pd.DataFrame({"run_id": "r", "step": [1, 1, 2], "value": [0.1, 0.2, 0.3],
+                            "metric": ["turn/k0/rollout_kl", "turn/k1/rollout_kl", "turn/k0/rollout_kl"]})
+    frame = C.turn_frame(metrics, "r", TURN_MISMATCH)
+    assert frame[["step", "turn"]].values.tolist() == [[1, 0], [2, 0], [1, 1]]
+    assert C.turn_names(metrics, "r") == [] and turn_metric(1, TURN_MISMATCH) == "turn/k1/rollout_kl"
+    monkeypatch.setattr(T, "TURN_METRICS", (*T.TURN_METRICS, TURN_MISMATCH))  # once metric_names has it
+    assert C.turn_names(metrics, "r") == [TURN_MISMATCH] and turn_metric(1, TURN_MISMATCH) == T.turn_key(1, "rollout_kl")
+    assert C.turn_frame(metrics, "r", TURN_MISMATCH).equals(frame)
