@@ -23,7 +23,7 @@ from stppo import metric_names as T
 
 from .axes import CORRECTION_PARAM, LAG_MODE_PARAM, LAG_PARAM, NO_CORRECTION
 from .figures import TURN_MISMATCH
-from .synthetic import alarm_flags, experiment_id, write_run
+from .synthetic import alarm_flags, experiment_id, turn_metric, write_run
 
 LEAD = 4  # the mismatch jumps this many steps before the onset
 
@@ -46,12 +46,6 @@ STALE_CELLS: tuple[StaleCell, ...] = (
     StaleCell("grpo", 2, 2, 0, correction="decoupled_geo_rs"), StaleCell("grpo", 4, 2, 1, correction="decoupled_geo_rs"),
     StaleCell("ppo", 4, 2, 1, lag_mode="uniform"),
 )
-
-
-def turn_metric(k: int, name: str) -> str:
-    """`turn/k{k}/{name}`, spelled as `stppo.metric_names.turn_key` spells it (which accepts only
-    the names of TURN_METRICS; `rollout_kl` joins them with the stale-rollout metrics)."""
-    return T.turn_key(k, name) if name in T.TURN_METRICS else f"{T.TURN_PREFIX}{int(k)}/{name}"
 
 
 def stale_series(steps: int, *, lag: int, collapse_at: int | None, lag_mode: str = "fixed", seed: int = 0,

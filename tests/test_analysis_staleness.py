@@ -14,7 +14,8 @@ from analysis import load_study
 from analysis.axes import base_preset, preset_label, split_label, with_axes
 from analysis.frontier import build_frontier, cell_table, contrast_table, main, pairwise_table
 from analysis.figures import TURN_MISMATCH
-from analysis.synthetic_stale import STALE_CELLS, turn_metric
+from analysis.synthetic import turn_metric
+from analysis.synthetic_stale import STALE_CELLS
 from stppo import metric_names as T
 
 
@@ -219,9 +220,11 @@ def test_turn_frame_reads_rollout_kl_before_and_after_it_joins_turn_metrics(monk
 
     metrics = pd.DataFrame({"run_id": "r", "step": [1, 1, 2], "value": [0.1, 0.2, 0.3],
                             "metric": ["turn/k0/rollout_kl", "turn/k1/rollout_kl", "turn/k0/rollout_kl"]})
+    without = tuple(n for n in T.TURN_METRICS if n != TURN_MISMATCH)
+    monkeypatch.setattr(T, "TURN_METRICS", without)  # before metric_names lists it
     frame = C.turn_frame(metrics, "r", TURN_MISMATCH)
     assert frame[["step", "turn"]].values.tolist() == [[1, 0], [2, 0], [1, 1]]
     assert C.turn_names(metrics, "r") == [] and turn_metric(1, TURN_MISMATCH) == "turn/k1/rollout_kl"
-    monkeypatch.setattr(T, "TURN_METRICS", (*T.TURN_METRICS, TURN_MISMATCH))  # once metric_names has it
+    monkeypatch.setattr(T, "TURN_METRICS", (*without, TURN_MISMATCH))  # once metric_names has it
     assert C.turn_names(metrics, "r") == [TURN_MISMATCH] and turn_metric(1, TURN_MISMATCH) == T.turn_key(1, "rollout_kl")
     assert C.turn_frame(metrics, "r", TURN_MISMATCH).equals(frame)

@@ -15,6 +15,8 @@ from test_analysis_fixtures import (DEMO, EMPTY, KNOWN, SIGNAL, STALE, STALE_B, 
                                     workbench_uri)
 from test_analysis_sweeps import SWEEP, optuna_url  # noqa: F401
 
+from stppo import metric_names as T
+
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 
 
@@ -154,8 +156,8 @@ def _pick(at: AppTest, *experiments: str) -> AppTest:
 def test_collapse_page_draws_the_turn_heatmap(workbench):
     at = _pick(_ok(workbench.run()), DEMO)
     _ok(at.switch_page("views/collapse.py").run())
-    assert at.selectbox(key="collapse:turn_metric").options == ["pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean",
-                                                                "ppo_kl", "entropy", "tokens"]
+    # every per-turn name of TURN_METRICS the demo logs (rollout_kl once metric_names lists it)
+    assert at.selectbox(key="collapse:turn_metric").options == list(T.TURN_METRICS)
     _ok(at.selectbox(key="collapse:turn_metric").set_value("ratio_max").run())
     heat = _charts(at)[1]
     assert heat["layer"][0]["mark"]["type"] == "rect" and heat["layer"][0]["encoding"]["color"]["title"] == "ratio_max"
@@ -255,7 +257,8 @@ def test_collapse_page_shows_the_mismatch_panels_and_the_per_turn_mismatch(workb
     run = at.selectbox(key="collapse:run")
     assert run.options[0].startswith("grpo · tiny · seed 0") and run.options[0].endswith("collapsed at step 12")
     assert "rollouts lag 4 behind" in _texts(at.caption)
-    panels, heat = _charts(at)
+    charts = _charts(at)  # Fig. 2 with the mismatch panels, [the generic per-turn heatmap,] the mismatch heatmap
+    panels, heat = charts[0], charts[-1]
     titles = [p["layer"][0]["title"] if "layer" in p else p["title"] for p in panels["vconcat"]]
     assert titles[:4] == ["success rate (drag here to select steps)", "valid action ratio", "grad norm (pre-clip)",
                           "sampler vs trainer KL"]  # the run logged no advantages
@@ -264,7 +267,7 @@ def test_collapse_page_shows_the_mismatch_panels_and_the_per_turn_mismatch(workb
     assert heat["layer"][0]["encoding"]["color"]["title"] == "rollout_kl"
     assert "`turn/k*/rollout_kl`" in _texts(at.caption)
     _ok(at.multiselect(key="collapse:lag").set_value(["0"]).run())
-    panels, _ = _charts(at)
+    panels = _charts(at)[0]
     titles = [p["layer"][0]["title"] if "layer" in p else p["title"] for p in panels["vconcat"]]
     assert "sampler vs trainer KL" in titles and "KL of the stale policy to the current one" not in titles
     assert "no stale rollouts" in _texts(at.caption)
