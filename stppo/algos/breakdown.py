@@ -19,7 +19,7 @@ Groups without signal (group presets; `group_ids` = the prompt): with G groups,
 
 Sampler vs trainer (verl 0.9.1's `compute_offpolicy_metrics`, rollout_corr_helper, on the same
 tensors; r_t = log π_train − log π_rollout on agent tokens, π_train the recomputed π_old — the
-current π_θ in bypass mode, as verl's bypass loss —, mean_m verl's masked mean Σ m x / (Σ m + 1e-8),
+current π_θ in bypass mode, as verl's bypass loss —, mean_m verl's masked mean Σ m x / Σ m,
 ℓ̄_i = mean_m over trajectory i of a log-prob, means over i over every row):
 
     kl = mean_m(−r)    k3_kl = mean_m(e^r − r − 1)    training_ppl = mean_i exp(−ℓ̄_i^train)

@@ -49,7 +49,7 @@ def batch(n: int = 10, t: int = 30, seed: int = 0, noise: float = 0.3) -> dict:
     junk = lambda: 30.0 * torch.randn(n, t, **d)  # noqa: E731
     pick = lambda x: torch.where(mask, x, junk())  # noqa: E731
     return dict(old=pick(old), rollout=pick(rollout), lp=pick(lp), adv=pick(torch.randn(n, t, **d)),
-                mask=mask, fmask=mask.to(torch.float64))
+                mask=mask)
 
 
 def same_metrics(ours: dict, theirs: dict, tol: float = TOL) -> None:
@@ -97,7 +97,7 @@ def test_is_weights_and_metrics_equal_verl(level, threshold, normalise):
     x = batch(seed=1, noise=0.1 if level == "sequence" else 0.3)
     r = x["old"] - x["rollout"]
     ours, om = is_weights(r, x["mask"], level, threshold, normalise)
-    theirs, vm = H.compute_rollout_correction_weights(r, x["fmask"], level, threshold, normalise)
+    theirs, vm = H.compute_rollout_correction_weights(r, x["mask"], level, threshold, normalise)
     torch.testing.assert_close(ours, torch.where(x["mask"], theirs, 0.0), rtol=TOL, atol=TOL)
     same_metrics(om, vm)
     assert set(om) == {PREFIX + k for k in vm}
@@ -122,7 +122,7 @@ def test_rejection_masks_and_metrics_equal_verl(rs, threshold):
     x = batch(seed=2, noise=0.15)
     r = x["old"] - x["rollout"]
     kept, om = rejection_mask(r, x["mask"], rs, threshold)
-    theirs, vm = H.compute_rollout_rejection_mask(r, x["fmask"], rs, threshold)
+    theirs, vm = H.compute_rollout_rejection_mask(r, x["mask"], rs, threshold)
     assert torch.equal(kept, theirs.bool())
     assert 0 < kept.sum() < x["mask"].sum()  # some tokens kept, some rejected
     same_metrics(om, vm)
@@ -138,7 +138,7 @@ def test_every_correction_equals_verls_correction_and_rejection(name):
     threshold = None if rc.rollout_is is not None else DIAGNOSTIC_IS_THRESHOLD
     ours = {**sampler_mismatch(x["old"], x["rollout"], x["mask"], threshold), **c.metrics}
     w, mask, vm = H.compute_rollout_correction_and_rejection_mask(
-        x["old"], x["rollout"], x["fmask"], rc.rollout_is, rc.rollout_is_threshold,
+        x["old"], x["rollout"], x["mask"], rc.rollout_is, rc.rollout_is_threshold,
         rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold)
     assert torch.equal(c.loss_mask, mask.bool())
     if w is None:
@@ -152,7 +152,7 @@ def test_every_correction_equals_verls_correction_and_rejection(name):
 def test_offpolicy_metrics_equal_verls():
     x = batch(seed=4, noise=0.4)
     ours = sampler_mismatch(x["old"], x["rollout"], x["mask"])
-    theirs = H.compute_offpolicy_metrics(x["old"], x["rollout"], x["fmask"])
+    theirs = H.compute_offpolicy_metrics(x["old"], x["rollout"], x["mask"])
     same_metrics(ours, theirs)
     assert set(ours) == {PREFIX + k for k in theirs} | {K.ROLLOUT_CORR_ABS_DIFF_MEAN, K.ROLLOUT_CORR_ABS_DIFF_MAX}
 
@@ -160,7 +160,7 @@ def test_offpolicy_metrics_equal_verls():
 # --- bypass mode's losses ---------------------------------------------------------------------------
 def verl_bypass(x: dict, rc: RolloutCorrection, agg: str):
     """verl's `compute_policy_loss_bypass_mode` (old_log_prob = the sampler's) with its config."""
-    mask = x["fmask"]
+    mask = x["mask"]
     verl_rc = RolloutCorrectionConfig(**{f: getattr(rc, f) for f in FIELDS})
     cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
                       clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=agg,
@@ -210,3 +210,31 @@ def test_bypass_losses_equal_verls_bypass_mode(name, agg):
         assert float(sm[K.PG_CLIPFRAC]) == pytest.approx(vm["actor/pg_clipfrac"], rel=1e-7)
     if rc.rollout_rs is not None:
         assert 0 < vm["rollout_corr/rollout_rs_masked_fraction"] < 1
+
+
+@pytest.mark.parametrize("name,options", [("bypass_pg_geo_rs_token_tis", {"rs_threshold": "0.98_1.02"}),
+                                          ("bypass_ppo_clip_k3_rs", {"rs_threshold": 2e-4}),
+                                          ("bypass_pg_is", {"threshold": 1.05})])
+def test_the_stppo_loss_under_verls_ppo_loss_is_verls_bypass_mode(actor_config, name, options):
+    """verl's v1 trainer in bypass mode passes the sampler's log-probs as old_log_prob and keeps the
+    configured loss: `stppo_grpo` with the run's spec then corrects as verl's own `bypass_mode`
+    loss does (weights and rejection from log_prob, REINFORCE for loss_type reinforce), through
+    verl's `ppo_loss` on micro-batches of the multi-turn batch."""
+    from verl_batch import floats, make_batch, run_ppo_loss
+
+    rc = RolloutCorrection(name, options)
+    spec = LossSpec("grpo", advantage="grpo", use_critic=False, loss_agg="token-mean", rollout_correction=rc)
+    b = make_batch(seed=3, spread=0.02, garbage=-3.0)  # old_log_probs: the sampler's
+    ours = actor_config("stppo_grpo", "token-mean", spec=spec.to_dict(), max_turns=0, clip_ratio_c=3.0)
+    theirs = actor_config("bypass_mode", "token-mean", clip_ratio_c=3.0,
+                          rollout_correction={f: getattr(rc, f) for f in FIELDS})
+    sl, sm, sg = run_ppo_loss(ours, b, micro=4)
+    vl, vm, vg = run_ppo_loss(theirs, b, micro=4)
+    for a, v in zip(sl, vl):
+        torch.testing.assert_close(a, v, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(sg, vg, rtol=TOL, atol=TOL)
+    for a, v in zip(sm, vm):
+        a, v = floats(a), floats(v)
+        same_metrics(a, {k: x for k, x in v.items() if k.startswith(PREFIX)})
+        assert a[K.PPO_KL] == pytest.approx(v["actor/ppo_kl"], rel=5e-8, abs=1e-12)
+    assert rc.rollout_rs is None or any(0 < floats(v)[K.ROLLOUT_RS_MASKED_FRACTION] < 1 for v in vm)

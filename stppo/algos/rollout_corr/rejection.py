@@ -107,8 +107,8 @@ def rs_metrics(option: str, stat: torch.Tensor, loss_mask: torch.Tensor, seq_val
     else:
         out.update({key("max"): stat.masked_fill(~m, float("-inf")).max(),
                     key("min"): stat.masked_fill(~m, float("inf")).min(),
-                    key("fraction_high"): masked_mean((stat > upper).to(stat.dtype), m),
-                    key("fraction_low"): masked_mean((stat < lower).to(stat.dtype), m) if with_lower
+                    key("fraction_high"): masked_mean((stat > upper).float(), m),  # float32: verl's
+                    key("fraction_low"): masked_mean((stat < lower).float(), m) if with_lower
                     else stat.new_zeros(())})
     clamped = stat.clamp(min=lower if with_lower else 0.0, max=upper)
     mean_c = masked_mean(clamped, m)

@@ -17,7 +17,7 @@ then, with the threshold C (a number) or [l, u] ('l_u'):
                       their mean ω (sequence); unchanged when ω̄ ≤ 1e-8
 
 ω is detached: it re-weights the measure, not the objective. Means are verl's masked means
-Σ m x / (Σ m + 1e-8). Metrics (verl's names, `rollout_corr/rollout_is_*`): mean ω, max, min,
+(`masked_mean`: Σ m x / Σ m on agent tokens). Metrics (verl's names, `rollout_corr/rollout_is_*`): mean ω, max, min,
 std of min(ω, C) over agent tokens, ESS = 1 / mean((ω̃ / (mean ω̃ + 1e-8))²) with ω̃ = min(ω, C),
 the shares of raw weights above C and below its lower bound (1/C without IcePop), and the
 statistics of the per-trajectory mean weights. Tensors (N, T); anything off agent tokens
@@ -34,7 +34,7 @@ from stppo import metric_names as K
 from stppo.algos.rollout_corr.presets import IS_LEVELS, SAFETY_BOUND, parse_is_threshold
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
-EPS = 1e-8  # verl's masked-mean guard
+EPS = 1e-8  # verl's guards (masked means, the ESS, the batch normaliser)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -44,8 +44,10 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """verl's `masked_mean`: Σ m x / (Σ m + 1e-8)."""
-    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    """verl's `masked_mean` on a bool mask (verl's masks are integer or bool): Σ m x / (Σ m + 1e-8)
+    with the count in float32, as torch forms it from an integer count — so Σ m x / Σ m for a
+    non-empty mask, 0 for an empty one."""
+    count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / (count + EPS)
 
 
@@ -82,7 +84,7 @@ def is_weights(log_ratio: torch.Tensor, loss_mask: torch.Tensor, level: str, thr
     metrics = is_metrics(w, raw, for_metrics, loss_mask, level, upper, lower)
     if lower is not None:
         oob = (raw < lower) | (raw > upper)
-        metrics[K.ROLLOUT_IS_OOB_RATIO] = masked_mean(oob.to(w.dtype), loss_mask)
+        metrics[K.ROLLOUT_IS_OOB_RATIO] = masked_mean(oob.float(), loss_mask)
     if batch_normalize:
         mean = _weights_mean(w, loss_mask, level, reduce)
         ok = mean > 1e-8
@@ -94,9 +96,9 @@ def is_weights(log_ratio: torch.Tensor, loss_mask: torch.Tensor, level: str, thr
 def _weights_mean(w: torch.Tensor, loss_mask: torch.Tensor, level: str, reduce: Reduce) -> torch.Tensor:
     """ω̄ of the module docstring: the token mean, or the mean over trajectories of their mean."""
     if level == "token":
-        num, den = masked_sum(w, loss_mask), loss_mask.to(w.dtype).sum()
         if reduce is None:
-            return num / (den + EPS)
+            return masked_mean(w, loss_mask)
+        num, den = masked_sum(w, loss_mask), loss_mask.to(w.dtype).sum()
     else:
         seq_w = masked_mean(w, loss_mask, dim=-1)  # (N,)
         seq_mask = loss_mask.any(dim=-1).to(w.dtype)  # (N,)
@@ -123,8 +125,8 @@ def is_metrics(w: torch.Tensor, raw: torch.Tensor, log_ratio_for_metrics: torch.
                K.ROLLOUT_IS_FRACTION_LOW: (lr < _float32_log(low)).float().mean()}
     else:
         out = {K.ROLLOUT_IS_MEAN: masked_mean(w, m),
-               K.ROLLOUT_IS_FRACTION_HIGH: masked_mean((raw > upper).to(w.dtype), m),
-               K.ROLLOUT_IS_FRACTION_LOW: masked_mean((raw < low).to(w.dtype), m),
+               K.ROLLOUT_IS_FRACTION_HIGH: masked_mean((raw > upper).float(), m),  # float32: verl's
+               K.ROLLOUT_IS_FRACTION_LOW: masked_mean((raw < low).float(), m),
                K.ROLLOUT_IS_MAX: w.masked_fill(~m, float("-inf")).max(),
                K.ROLLOUT_IS_MIN: w.masked_fill(~m, float("inf")).min()}
     clamped = w.clamp(min=0.0, max=upper)  # (N, T)
