@@ -8,7 +8,7 @@ Torch-free: importing this module is cheap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,11 +51,17 @@ class KLConfig:
 
 
 @dataclass
-class RolloutISConfig:
-    """Truncated importance sampling between the sampler's and the trainer's log-probs (verl's
-    algorithm.rollout_correction: rollout_is, rollout_is_threshold); usable with any preset."""
-    kind: str = "none"  # none | token
-    threshold: float = 2.0  # C: ω = min(π_old / π_rollout, C)
+class RolloutCorrectionOptions:
+    """The arguments of verl's `RolloutCorrectionConfig` classmethod that `algo.rollout_correction`
+    names (docs/design.md §2, "Rollout correction"); null: the classmethod's default. At start the
+    name's arguments are filled with the values that ran; one it does not take must stay null."""
+    threshold: Optional[float] = None  # IS weights' C (…_is, bypass_pg_is), IcePop's upper bound
+    threshold_lower: Optional[float] = None  # IcePop's lower bound (…_icepop)
+    is_threshold: Optional[float] = None  # IS weights' C beside rejection (…_rs_*_tis, seq_is_rs)
+    # rejection: a number, or 'lower_upper' for the k1 (geo, seq_is_rs) options — write both bounds
+    # with a decimal point or quote it: Hydra reads 0.5_2 as the number 0.52
+    rs_threshold: Any = None
+    batch_normalize: Optional[bool] = None  # IS weights / their batch mean (names with IS weights)
 
 
 @dataclass
@@ -112,13 +118,18 @@ class AlgoConfig:
     vf_clip: float = 0.5
     loss_mode: Optional[str] = None  # stppo.algos.LOSS_MODES
     loss_options: dict[str, float] = field(default_factory=dict)  # over the preset's (mode's) options
-    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    # The sampler/trainer mismatch correction, with any preset: none (metrics only) or a verl
+    # RolloutCorrectionConfig preset (stppo.algos.rollout_corr.ROLLOUT_CORRECTIONS), its arguments
+    # in rollout_correction_options.
+    rollout_correction: str = "none"
+    rollout_correction_options: RolloutCorrectionOptions = field(default_factory=RolloutCorrectionOptions)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
     def __post_init__(self) -> None:
         for sub, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
-                         ("rollout_is", RolloutISConfig), ("dynamic_sampling", DynamicSamplingConfig),
+                         ("dynamic_sampling", DynamicSamplingConfig),
+                         ("rollout_correction_options", RolloutCorrectionOptions),
                          ("overlong", OverlongConfig)):
             if isinstance(getattr(self, sub), dict):
                 setattr(self, sub, cls(**getattr(self, sub)))
@@ -136,7 +147,7 @@ class AlgoConfig:
 def resolve_loss(a: AlgoConfig):
     """Fill the null loss fields of `a` from its preset (the config then records the values
     that ran) and build its `LossSpec` — the one place a loss setting is validated."""
-    from stppo.algos import PRESETS, Correction, LossSpec, RolloutIS
+    from stppo.algos import PRESETS, Correction, LossSpec, RolloutCorrection
     from stppo.algos.plugins import register_stabiliser
 
     if a.loss is not None:  # a researcher's preset: its file holds every field it fixes
@@ -176,9 +187,12 @@ def resolve_loss(a: AlgoConfig):
     spec = LossSpec(name=a.name, ratio_level=a.ratio_level, clip_low=a.clip_low,
                     clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
                     correction=correction, loss_mode=a.loss_mode, options=a.loss_options,
-                    rollout_is=RolloutIS(a.rollout_is.kind, a.rollout_is.threshold),
+                    rollout_correction=RolloutCorrection(a.rollout_correction, {
+                        k: v for k, v in asdict(a.rollout_correction_options).items() if v is not None}),
                     advantage=a.advantage, use_critic=a.use_critic)
     a.loss_options = dict(spec.options)
+    for k, v in spec.rollout_correction.options.items():  # the values that ran
+        setattr(a.rollout_correction_options, k, v)
     return spec
 
 

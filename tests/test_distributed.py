@@ -38,7 +38,15 @@ def updates(tmp_path_factory):
     return res
 
 
-CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift")
+CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "seq_is_rs",
+         "bypass_pg", "bypass_clip")
+# The rollout correction's statistics of the whole batch (every rank's rows): the decoupled
+# correction's once per step, bypass mode's per minibatch.
+GLOBAL_CORRECTION_KEYS = ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",
+                          "rollout_corr/rollout_is_seq_std", "rollout_corr/rollout_is_eff_sample_size",
+                          "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction",
+                          "rollout_corr/kl", "rollout_corr/training_ppl", "rollout_corr/chi2_seq",
+                          "rollout_corr/log_ppl_diff_max")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -59,7 +67,8 @@ def test_two_process_update_equals_one_process(updates, case):
     m1, m2 = one["metrics"], two["metrics"]
     # global quantities: the loss, λ, ‖C‖ and the pre-clip gradient norm of the whole batch
     for key in ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
-                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref"):
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref",
+                *GLOBAL_CORRECTION_KEYS):
         if key in m1:
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
@@ -80,7 +89,8 @@ def test_micro_batched_two_process_update_equals_one_process_whole_minibatch(upd
         m1, m2 = one["metrics"], micro["metrics"]
         per_rank = ("actor/pg_clipfrac", "actor/ratio_max") if procs == 1 else ()  # (one rank)
         keys = ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
-                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref")
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref",
+                *GLOBAL_CORRECTION_KEYS)
         for key in keys + per_rank:
             if key in m1:
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
@@ -90,6 +100,16 @@ def test_corrections_act_in_the_check(updates):
     """The equality above covers λ < 1 (the corrections act), else it would prove little."""
     for case in ("st_ppo", "s_ppo_grad", "so_grpo"):
         assert updates[1][case]["metrics"]["clip_bias/scale"] < 0.9, case
+
+
+def test_rollout_corrections_act_in_the_check(updates):
+    """Rows are rejected and the IS weights normalised in the cases above: the equality of the
+    update and of the correction's statistics covers the batch-level parts."""
+    one = updates[1]
+    for case in ("seq_is_rs", "bypass_clip"):
+        assert 0 < one[case]["metrics"]["rollout_corr/rollout_rs_seq_masked_fraction"] < 1, case
+    for case in ("seq_is_rs", "bypass_pg"):
+        assert one[case]["metrics"]["rollout_corr/rollout_is_batch_norm_factor"] != 1.0, case
 
 
 def test_torchrun_run_py_logs_one_run(tmp_path):

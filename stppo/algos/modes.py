@@ -8,9 +8,9 @@ its preset's name (`stppo.algos.plugins`). Unknown names list the valid ones.
 A built-in mode takes the tensors and keywords of `policy_loss`, the mode's `options` (named
 floats; unknown names and bad values are one-line ValueErrors) and `rollout_is_weights`, and
 returns `(loss, metrics)` with the clip path's metric keys. Rollout IS weights ω (N, T)
-(truncated importance sampling, `stppo.algos.rollout_is`) multiply the per-token loss, as
+(the rollout correction's, `stppo.algos.rollout_corr`; ω ≥ 0) multiply the per-token loss, as
 verl's. On the clip path they are applied as advantages ωA: the clipped surrogate is positively
-homogeneous in A — clipping depends on the sign of A only and ω > 0 — so s(ρ, ωA) = ω s(ρ, A)
+homogeneous in A — clipping depends on the sign of A only and ω ≥ 0 — so s(ρ, ωA) = ω s(ρ, A)
 exactly, and the clip path itself stays untouched.
 """
 

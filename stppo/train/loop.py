@@ -228,6 +228,7 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
                                        precision=c.precision, skip_old=self.skip_old,
+                                       gather=d.gather_rows if d.active else None,
                                        chunk=cfg.trainer.micro_batch_size or FORWARD_CHUNK)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)

@@ -1,7 +1,11 @@
 """From a rollout to a training batch: π_old / π_ref log-probs, values, rewards, advantages.
 
     rollout (π_old) → old_log_probs, ref_log_probs, values → rewards (+ KL if in reward)
-                    → advantages and returns of the preset
+                    → rollout correction (decoupled mode) → advantages and returns of the preset
+
+The rollout correction (`algo.rollout_correction`, `stppo.train.rollout_corr`) acts here in
+decoupled mode, as verl's does before its advantages: the rejected tokens leave the loss mask and
+the IS weights join the batch. In bypass mode π_old is the sampler's π_rollout (no forward).
 
 Every forward computes the agent tokens only (the LM and value heads run on those positions)
 under the run's precision (autocast). When the update is provably on-policy (`skip_old`: see
@@ -19,6 +23,7 @@ from stppo.algos import compute_advantages, kl_in_reward
 from stppo.batch import Batch
 from stppo.config import AlgoConfig
 from stppo.models import Precision, policy_log_probs
+from stppo.train.rollout_corr import Gather, sampler_log_probs, step_correction
 from stppo.metric_names import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
@@ -59,14 +64,19 @@ def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, flo
 @torch.no_grad()
 def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
                   chunk: int = FORWARD_CHUNK, reduce=None, precision: Precision = Precision(),
-                  skip_old: bool = False) -> tuple[Batch, dict[str, float]]:
-    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats.
-    `chunk`: rows per forward (the run's `trainer.micro_batch_size` when set).
-    `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global.
-    `skip_old`: leave old_log_probs None for the update to fill (an on-policy update)."""
+                  skip_old: bool = False, gather: Gather = None) -> tuple[Batch, dict[str, float]]:
+    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats
+    (and the decoupled rollout correction's metrics). `chunk`: rows per forward (the run's
+    `trainer.micro_batch_size` when set). `reduce` (data parallelism: an all-reduce sum over
+    ranks) makes advantage whitening global, `gather` (`Dist.gather_rows`) the rollout
+    correction's statistics. `skip_old`: leave old_log_probs None for the update to fill (an
+    on-policy update)."""
+    rc = algo.spec.rollout_correction
     with precision.autocast():
         old = None
-        if not skip_old:
+        if rc.bypass_mode:  # π_old := π_rollout
+            old = sampler_log_probs(batch, rc)
+        elif not skip_old:
             was_training = policy.training
             policy.eval()
             old = forward_in_chunks(_log_probs(policy), batch, chunk)
@@ -83,6 +93,11 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
         rewards, kl_m = kl_in_reward(rewards, old, ref_lp, batch.loss_mask,
                                      beta=algo.kl.coef, kind=algo.kl.estimator)
         metrics.update({k: float(v) for k, v in kl_m.items()})
+    if rc.decoupled:
+        if old is None:
+            raise ValueError("a decoupled rollout correction needs the old log-probs: skip_old=False")
+        batch, corr_m = step_correction(batch, old, rc, gather)
+        metrics.update(corr_m)
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,

@@ -147,10 +147,40 @@ def test_the_baselines_settings_reach_verl(model_dir):
     assert dict(b["actor"].policy_loss.spec["options"]) == dict(cfg.algo.loss_options)
     assert b["actor"].policy_loss.spec["options"]["tau_pos"] == 2.5
 
-    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_is.kind=token", "algo.rollout_is.threshold=3.0",
-                           f"model.path={model_dir}"], model_dir)
+    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_correction=decoupled_token_is",
+                           "algo.rollout_correction_options.threshold=3.0", f"model.path={model_dir}"], model_dir)
     rc = b["algorithm"].rollout_correction
     assert (rc["rollout_is"], rc["rollout_is_threshold"]) == ("token", 3.0)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("none", []), ("decoupled_geo_rs", []), ("decoupled_seq_is_rs", ["rs_threshold='0.5_3'"]),
+    ("decoupled_token_icepop", ["threshold_lower=0.25"]), ("decoupled_k3_rs_token_tis", ["batch_normalize=true"]),
+    ("bypass_ppo_clip_k3_rs", []), ("bypass_pg_geo_rs_seq_tis", ["rs_threshold=0.99_1.01"])])
+def test_rollout_corrections_reach_verls_rollout_correction_config(model_dir, name, options):
+    """algo.rollout_correction → algorithm.rollout_correction.*: verl builds its own
+    RolloutCorrectionConfig with the name's fields (its classmethod's, with the run's options),
+    and the loss's spec carries the same correction (bypass mode is applied by the stppo_* loss)."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    cfg, c, b = translate([*SMALL, "algo=grpo", f"algo.rollout_correction={name}",
+                           *(f"algo.rollout_correction_options.{o}" for o in options),
+                           f"model.path={model_dir}"], model_dir)
+    ours = cfg.algo.spec.rollout_correction
+    from verl.utils.config import omega_conf_to_dataclass
+
+    built = omega_conf_to_dataclass(c.algorithm.rollout_correction, RolloutCorrectionConfig)
+    assert dict(b["algorithm"].rollout_correction) == {f: getattr(built, f) for f in built.keys()
+                                                       if f != "_target_"}
+    verl_name = "disabled" if name == "none" else name
+    args = {k: v for k, v in ours.options.items() if k != "batch_normalize"}
+    want = getattr(RolloutCorrectionConfig, verl_name)(**args)
+    for f in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type"):
+        assert getattr(built, f) == getattr(want, f), f
+    assert built.rollout_is_batch_normalize == ours.rollout_is_batch_normalize
+    assert LossSpec.from_dict(b["actor"].policy_loss.spec).rollout_correction == ours
+    if name == "decoupled_seq_is_rs":  # '0.5_3' stays a string on the way (Hydra reads 0.5_3 as 0.53)
+        assert built.rollout_rs_threshold == "0.5_3"
 
 
 def test_a_loss_other_than_the_presets_reaches_verl(model_dir):

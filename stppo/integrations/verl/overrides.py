@@ -11,7 +11,10 @@ is rejected by `check_translatable` when it would change the run):
                              algorithm.adv_estimator, the critic → critic.enable
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
   algo.loss_agg              actor.loss_agg_mode
-  algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
+  algo.rollout_correction    algorithm.rollout_correction.<field> for verl's seven fields (rollout_is,
+                             rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+                             rollout_rs_threshold, bypass_mode, loss_type) of the name and its options
+                             (none: verl's default, the mismatch metrics only); the spec carries it too
   algo.dynamic_sampling      algorithm.filter_groups (enable, metric=reward, max_num_gen_batches)
   algo.overlong              reward.reward_manager.name=dapo, reward.reward_kwargs.overlong_buffer_cfg
   algo.kl (coef, estimator)  in_reward: algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.kl_coef;
@@ -39,6 +42,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from stppo.algos.rollout_corr.presets import FIELDS as ROLLOUT_CORRECTION_FIELDS
 from stppo.config import Config
 from stppo.integrations.verl import POLICY_LOSS_TARGET as LOSS_CONFIG_TARGET
 from stppo.integrations.verl import loss_mode
@@ -129,6 +133,7 @@ def check_translatable(cfg: Config) -> None:
         raise ValueError(f"trainer.minibatch_size={t.minibatch_size} must be a multiple of trainer.group_size="
                          f"{t.group_size} with backend=verl (verl's mini-batches are whole prompt groups)")
     verl_lengths(cfg)
+    _check_rollout_correction(cfg)
     if not cfg.tracking.enabled:
         raise ValueError("tracking.enabled=false: backend=verl follows verl through its MLflow run; "
                          "enable tracking (tracking.uri=… for another store)")
@@ -139,6 +144,31 @@ def check_translatable(cfg: Config) -> None:
         raise ValueError("task.prompt_style=compact is for stppo's random-init models; backend=verl sends "
                          "Search-R1's instruction as a chat prompt: set task.prompt_style=search_r1")
     model_source(cfg)
+
+
+def _overridden(cfg: Config, key: str) -> Any:
+    """The value `backend.overrides` gives verl's `key` (last one wins), or None."""
+    found = None
+    for o in cfg.backend.overrides:
+        k, _, v = str(o).lstrip("+~").partition("=")
+        if k == key:
+            found = v.strip().strip("'\"").lower()
+    return found
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """A rollout correction needs verl's rollout log-probs; bypass mode needs verl's v1 trainer
+    (the legacy one swaps the stppo_* loss for its own `bypass_mode` loss)."""
+    rc = cfg.algo.spec.rollout_correction
+    if rc.name == "none":
+        return
+    if _overridden(cfg, f"{ROLLOUT}.calculate_log_probs") == "false":
+        raise ValueError(f"algo.rollout_correction={rc.name} needs the sampler's log-probs: drop "
+                         f"{ROLLOUT}.calculate_log_probs=false from backend.overrides")
+    if rc.bypass_mode and _overridden(cfg, "trainer.use_v1") == "false":
+        raise ValueError(f"algo.rollout_correction={rc.name} (bypass mode) with trainer.use_v1=false: "
+                         "verl's legacy trainer replaces stppo's loss with its own bypass_mode loss; "
+                         "drop trainer.use_v1=false from backend.overrides")
 
 
 def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
@@ -174,9 +204,10 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
                   "algorithm.kl_ctrl.kl_coef": a.kl.coef})
-    if a.rollout_is.kind != "none":  # verl computes the TIS weights and passes them to the loss
-        o.update({"algorithm.rollout_correction.rollout_is": a.rollout_is.kind,
-                  "algorithm.rollout_correction.rollout_is_threshold": a.rollout_is.threshold})
+    rc = a.spec.rollout_correction
+    if rc.name != "none":  # decoupled: verl's driver computes weights and mask before the
+        # advantages; bypass: its trainer sets π_old := π_rollout and the stppo_* loss corrects
+        o.update({f"algorithm.rollout_correction.{f}": getattr(rc, f) for f in ROLLOUT_CORRECTION_FIELDS})
     if a.dynamic_sampling.enabled:  # verl's own group filtering (its refill rule, not stppo's)
         o.update({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "reward",
                   "algorithm.filter_groups.max_num_gen_batches": a.dynamic_sampling.max_rounds + 1})
@@ -271,6 +302,9 @@ def env_overrides(env: Mapping[str, str]) -> list[str]:
 
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:~+-]+$")
+# Strings Hydra's grammar may read as a number ('0.5_2' is 0.52, '1_000' 1000; 'inf', 'nan'):
+# quoted, so a threshold 'lower_upper' stays a string.
+_NUMBER_LIKE = re.compile(r"^[+-]?([0-9_.]+([eE][+-]?[0-9_]+)?|inf|nan)$", re.IGNORECASE)
 
 
 def flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -301,7 +335,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{fmt(v)}" for k, v in value.items()) + "}"
     text = str(value)
-    if _PLAIN.match(text) and text not in ("null", "true", "false"):
+    if _PLAIN.match(text) and text not in ("null", "true", "false") and not _NUMBER_LIKE.match(text):
         return text
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
