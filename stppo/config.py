@@ -292,6 +292,25 @@ class CriticWarmStartConfig:
                "trainer.critic_warmstart: questions >= 5, steps >= 1, batch_size >= 1, lr > 0")
 
 
+OFFPOLICY_LAG_MODES = ("fixed", "uniform")
+
+
+@dataclass
+class OffPolicyConfig:
+    """Stale rollouts (stppo.train.offpolicy, docs/design.md §3.1): the batch trained at step t is
+    sampled by the policy as it was `lag` updates earlier — after step t − 1 − lag, the start for
+    the first steps — as an asynchronous pipeline would; π_old stays the current policy.
+    `fixed`: every group has that lag; `uniform`: each group draws its own from 0 … lag
+    (seeded by (seed, step)), as a pipeline mixes ages. 0 = on-policy (the default)."""
+    lag: int = 0
+    lag_mode: str = "fixed"  # fixed | uniform
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lag, int) and self.lag >= 0,
+               f"trainer.offpolicy.lag must be an integer >= 0, got {self.lag!r}")
+        _one_of("trainer.offpolicy.lag_mode", self.lag_mode, OFFPOLICY_LAG_MODES)
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 40
@@ -322,6 +341,7 @@ class TrainerConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     critic_warmstart: CriticWarmStartConfig = field(default_factory=CriticWarmStartConfig)
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     # Early warning (stppo.alarms): the online alarms watched every step, and what an alarm does:
     # none (log `alarm/<indicator>` only), stop (end the run after a last validation), rollback
@@ -337,6 +357,8 @@ class TrainerConfig:
             self.collapse = CollapseConfig(**self.collapse)
         if isinstance(self.alarm, dict):
             self.alarm = AlarmConfig(**self.alarm)
+        if isinstance(self.offpolicy, dict):
+            self.offpolicy = OffPolicyConfig(**self.offpolicy)
         _one_of("trainer.on_alarm", self.on_alarm, ("none", "stop", "rollback"))
         _check(0.0 < self.rollback_lr_factor <= 1.0,
                f"trainer.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
