@@ -421,6 +421,9 @@ class BackendConfig:
     n_gpus_per_node: int = 8
     rollout_engine: str = "vllm"  # vllm | sglang
     rollout_tp: int = 1  # tensor parallel size of the rollout engine
+    # trainer.offpolicy.lag > 0: verl's off-policy trainers run the rollout on GPUs of its own;
+    # this many of each node's n_gpus_per_node (the rest train). null: half of them.
+    rollout_gpus_per_node: Optional[int] = None
     gpu_memory_utilization: float = 0.5  # the rollout engine's share of GPU memory
     micro_batch_size_per_gpu: int = 8  # forward/backward micro-batch (trajectories per GPU)
     # tokens of verl's initial prompt (data.max_prompt_length); the response gets
@@ -439,6 +442,10 @@ class BackendConfig:
                f"backend.nnodes and backend.n_gpus_per_node must be >= 1, got {self.nnodes}, {self.n_gpus_per_node}")
         _check(self.rollout_tp >= 1 and self.n_gpus_per_node % self.rollout_tp == 0,
                f"backend.rollout_tp={self.rollout_tp} must divide backend.n_gpus_per_node={self.n_gpus_per_node}")
+        _check(self.rollout_gpus_per_node is None
+               or 1 <= self.rollout_gpus_per_node < self.n_gpus_per_node,
+               f"backend.rollout_gpus_per_node={self.rollout_gpus_per_node} must be null or in [1, "
+               f"backend.n_gpus_per_node={self.n_gpus_per_node}) (the rest train)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.micro_batch_size_per_gpu >= 1, "backend.micro_batch_size_per_gpu must be >= 1")
