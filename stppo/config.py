@@ -306,6 +306,25 @@ class CriticWarmStartConfig:
                "trainer.critic_warmstart: questions >= 5, steps >= 1, batch_size >= 1, lr > 0")
 
 
+OFFPOLICY_LAG_MODES = ("fixed", "uniform")
+
+
+@dataclass
+class OffPolicyConfig:
+    """Stale rollouts (stppo.train.offpolicy, docs/design.md §3.1): the batch trained at step t is
+    sampled by the policy as it was `lag` updates earlier — after step t − 1 − lag, the start for
+    the first steps — as an asynchronous pipeline would; π_old stays the current policy.
+    `fixed`: every group has that lag; `uniform`: each group draws its own from 0 … lag
+    (seeded by (seed, step)), as a pipeline mixes ages. 0 = on-policy (the default)."""
+    lag: int = 0
+    lag_mode: str = "fixed"  # fixed | uniform
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lag, int) and self.lag >= 0,
+               f"trainer.offpolicy.lag must be an integer >= 0, got {self.lag!r}")
+        _one_of("trainer.offpolicy.lag_mode", self.lag_mode, OFFPOLICY_LAG_MODES)
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 40
@@ -336,6 +355,7 @@ class TrainerConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     critic_warmstart: CriticWarmStartConfig = field(default_factory=CriticWarmStartConfig)
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     # Early warning (stppo.alarms): the online alarms watched every step, and what an alarm does:
     # none (log `alarm/<indicator>` only), stop (end the run after a last validation), rollback
@@ -351,6 +371,8 @@ class TrainerConfig:
             self.collapse = CollapseConfig(**self.collapse)
         if isinstance(self.alarm, dict):
             self.alarm = AlarmConfig(**self.alarm)
+        if isinstance(self.offpolicy, dict):
+            self.offpolicy = OffPolicyConfig(**self.offpolicy)
         _one_of("trainer.on_alarm", self.on_alarm, ("none", "stop", "rollback"))
         _check(0.0 < self.rollback_lr_factor <= 1.0,
                f"trainer.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
@@ -413,6 +435,9 @@ class BackendConfig:
     n_gpus_per_node: int = 8
     rollout_engine: str = "vllm"  # vllm | sglang
     rollout_tp: int = 1  # tensor parallel size of the rollout engine
+    # trainer.offpolicy.lag > 0: verl's off-policy trainers run the rollout on GPUs of its own;
+    # this many of each node's n_gpus_per_node (the rest train). null: half of them.
+    rollout_gpus_per_node: Optional[int] = None
     gpu_memory_utilization: float = 0.5  # the rollout engine's share of GPU memory
     micro_batch_size_per_gpu: int = 8  # forward/backward micro-batch (trajectories per GPU)
     # tokens of verl's initial prompt (data.max_prompt_length); the response gets
@@ -431,6 +456,10 @@ class BackendConfig:
                f"backend.nnodes and backend.n_gpus_per_node must be >= 1, got {self.nnodes}, {self.n_gpus_per_node}")
         _check(self.rollout_tp >= 1 and self.n_gpus_per_node % self.rollout_tp == 0,
                f"backend.rollout_tp={self.rollout_tp} must divide backend.n_gpus_per_node={self.n_gpus_per_node}")
+        _check(self.rollout_gpus_per_node is None
+               or 1 <= self.rollout_gpus_per_node < self.n_gpus_per_node,
+               f"backend.rollout_gpus_per_node={self.rollout_gpus_per_node} must be null or in [1, "
+               f"backend.n_gpus_per_node={self.n_gpus_per_node}) (the rest train)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.micro_batch_size_per_gpu >= 1, "backend.micro_batch_size_per_gpu must be >= 1")

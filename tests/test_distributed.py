@@ -112,6 +112,38 @@ def test_rollout_corrections_act_in_the_check(updates):
         assert one[case]["metrics"]["rollout_corr/rollout_is_batch_norm_factor"] != 1.0, case
 
 
+def test_stale_rollouts_sample_with_the_same_past_policies_on_every_rank(tmp_path):
+    """trainer.offpolicy.lag=2 (uniform) under 2 ranks: the snapshot rings are equal on both
+    ranks at every step (taken after the synchronised optimizer step), each rank's rows are
+    sampled by the weights of step t − 1 − their lag, and each rank's groups carry the lags of
+    the whole step's draw (every rank draws them all, then keeps its shard)."""
+    from dp_offpolicy import LAG, STEPS
+
+    from stppo.config import OffPolicyConfig
+    from stppo.train.loop import step_seed
+    from stppo.train.offpolicy import draw_lags
+
+    p = torchrun(2, str(REPO / "tests" / "dp_offpolicy.py"), str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"out.rank{r}.pt", weights_only=False) for r in (0, 1)]
+    seen = set()
+    for t in range(1, STEPS + 1):
+        r0, r1 = ranks[0][t - 1], ranks[1][t - 1]
+        assert r0["ring"] == r1["ring"] and r0["policy"] == r1["policy"], t
+        assert sorted(r0["ring"]) == [s for s in range(t - LAG, t) if s >= 0]
+        assert set(r0["question_ids"]).isdisjoint(r1["question_ids"])  # each rank its own groups
+        drawn = draw_lags(OffPolicyConfig(LAG, "uniform"), 4, step_seed(0, t, "lags"))
+        ages = [min(lag, t - 1) for lag in drawn]
+        assert r0["group_lags"] == ages[0::2] and r1["group_lags"] == ages[1::2], t
+        seen |= set(ages)
+        for r in (r0, r1):  # the sampler is the kept θ_{t-1-lag} (up to the engine's rounding)
+            torch.testing.assert_close(r["rollout"], r["sampler"], rtol=2e-6, atol=2e-6)
+        assert r0["metrics"] == r1["metrics"]  # reduced over ranks
+        assert r0["metrics"]["offpolicy/lag_mean"] == sum(ages) / len(ages)
+        assert r0["metrics"]["offpolicy/lag_max"] == max(ages)
+    assert seen == set(range(LAG + 1))
+
+
 def test_torchrun_run_py_logs_one_run(tmp_path):
     db = tmp_path / "mlflow.db"
     p = torchrun(2, str(REPO / "run.py"), "+experiment=quick", "algo=st_ppo",
