@@ -49,7 +49,7 @@ class Batch:
     finished: Optional[torch.Tensor] = None  # (N,) bool — ended with an <answer>
     truncated: Optional[torch.Tensor] = None  # (N,) bool — hit the total-length limit
     response_length: Optional[torch.Tensor] = None  # (N,) long — agent tokens
-    # Stale rollouts (trainer.offpolicy.lag > 0; docs/design.md §3.1), else None:
+    # Stale rollouts (trainer.offpolicy.lag > 0; docs/design.md §8), else None:
     rollout_lags: Optional[torch.Tensor] = None  # (N,) long — updates between sampler and π_old
     # (N, T) float — log π of the policy that sampled the row, by the trainer's forward (rows of
     # lag 0: zeros — their sampler is π_old)

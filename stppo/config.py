@@ -311,7 +311,7 @@ OFFPOLICY_LAG_MODES = ("fixed", "uniform")
 
 @dataclass
 class OffPolicyConfig:
-    """Stale rollouts (stppo.train.offpolicy, docs/design.md §3.1): the batch trained at step t is
+    """Stale rollouts (stppo.train.offpolicy, docs/design.md §8): the batch trained at step t is
     sampled by the policy as it was `lag` updates earlier — after step t − 1 − lag, the start for
     the first steps — as an asynchronous pipeline would; π_old stays the current policy.
     `fixed`: every group has that lag; `uniform`: each group draws its own from 0 … lag

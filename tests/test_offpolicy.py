@@ -1,4 +1,4 @@
-"""Stale rollouts (trainer.offpolicy; docs/design.md §3.1): the batch of step t is sampled by the
+"""Stale rollouts (trainer.offpolicy; docs/design.md §8): the batch of step t is sampled by the
 weights that the checkpoint of step t − 1 − lag holds, π_old is the current policy, the lags of
 uniform mode are seeded, a lag-0 run is the on-policy run, and a stale run resumes exactly."""
 

@@ -1,4 +1,4 @@
-"""Stale rollouts (`trainer.offpolicy`, docs/design.md §3.1): the batch of step t sampled by an
+"""Stale rollouts (`trainer.offpolicy`, docs/design.md §8): the batch of step t sampled by an
 older policy, as an asynchronous pipeline would, exactly and reproducibly.
 
     θ_s          the policy's weights after step s (θ_0: the start; a rollback at step r makes

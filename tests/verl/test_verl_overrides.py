@@ -245,7 +245,7 @@ def test_larger_lags_compose_with_verls_fully_async_trainer(lag, model_dir):
                            "algo.rollout_correction=decoupled_token_is", "model=qwen2_5_1_5b"], model_dir, hub_id=QWEN["qwen2_5_1_5b"])
     assert O.entry_module(cfg) == O.ENTRY_FULLY_ASYNC
     at, t = c.async_training, cfg.trainer
-    assert (at.staleness_threshold, at.trigger_parameter_sync_step) == (lag, 1)
+    assert (at.staleness_threshold, at.trigger_parameter_sync_step, at.partial_rollout) == (lag, 1, False)
     # the checks of FullyAsyncRollouter.__init__ / _validate_config
     assert c.data.train_batch_size == 0 and c.data.gen_batch_size == 1
     assert at.staleness_threshold >= 0 and at.trigger_parameter_sync_step >= 1

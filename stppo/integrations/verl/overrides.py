@@ -36,10 +36,11 @@ is rejected by `check_translatable` when it would change the run):
   trainer.offpolicy.lag      1: verl.experimental.one_step_off_policy.main_ppo; ≥ 2:
                              verl.experimental.fully_async_policy.fully_async_main with
                              async_training.staleness_threshold=lag, trigger_parameter_sync_step=1,
-                             require_batches = questions_per_step / ppo_mini_batch_size; both with
+                             partial_rollout=false, require_batches = questions_per_step /
+                             ppo_mini_batch_size; both with
                              rollout_correction.bypass_mode=false (stppo's loss, π_old recomputed),
                              hybrid_engine=false and backend.rollout_gpus_per_node GPUs of each
-                             node for the rollout (docs/design.md §7.4); lag_mode=uniform: rejected
+                             node for the rollout (docs/design.md §8.2); lag_mode=uniform: rejected
 """
 
 from __future__ import annotations
@@ -373,7 +374,7 @@ def _trainer(cfg: Config, files: JobFiles) -> dict[str, Any]:
 
 def _offpolicy(cfg: Config) -> dict[str, Any]:
     """Stale rollouts (trainer.offpolicy.lag > 0) in verl's off-policy trainers (docs/design.md
-    §7.4): a rollout on GPUs of its own that syncs weights after every training step; the one-step
+    §8.2): a rollout on GPUs of its own that syncs weights after every training step; the one-step
     trainer is lag 1 exactly, the fully async one keeps at most `lag` steps' batches in flight."""
     t, b = cfg.trainer, cfg.backend
     if t.offpolicy.lag == 0:
@@ -390,6 +391,9 @@ def _offpolicy(cfg: Config) -> dict[str, Any]:
         prompts = t.minibatch_size // t.group_size
         o.update({"async_training.staleness_threshold": t.offpolicy.lag,
                   "async_training.trigger_parameter_sync_step": 1,
+                  # a trajectory cut by a weight sync is dropped, not resumed by the new weights:
+                  # each trajectory comes from one policy, as in the own trainer
+                  "async_training.partial_rollout": False,
                   "async_training.require_batches": t.questions_per_step // prompts,
                   "data.train_batch_size": 0, "data.gen_batch_size": 1,
                   "rollout.total_rollout_steps": t.total_steps * t.questions_per_step})
