@@ -127,3 +127,36 @@ def test_corrections_need_the_old_log_probs_and_the_samplers(tiny_cfg, setup):
                                          r"log-probs \(Batch.rollout_log_probs\)"):
         prepare_batch(replace(batch, rollout_log_probs=None), policy, None, None,
                       algo("algo.rollout_correction=decoupled_k3_rs"))
+
+
+def test_run_py_trains_with_every_rollout_correction_on_stale_rollouts(tmp_path):
+    """`python run.py +experiment=quick algo=grpo algo.rollout_correction=NAME` for every name,
+    one multirun, with lag 1 so that the second step's rollouts are stale and the correction
+    has a mismatch to act on: every run finishes and logs the mismatch metrics and its own."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import TINY_OVERRIDES
+    from stppo.algos.rollout_corr import ROLLOUT_CORRECTIONS, resolve
+    from test_orchestration import run_py
+
+    names = sorted(ROLLOUT_CORRECTIONS)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    res = run_py(["-m", "algo=grpo", f"algo.rollout_correction={','.join(names)}", "+experiment=quick",
+                  *TINY_OVERRIDES, "trainer.total_steps=2", "trainer.offpolicy.lag=1", "trainer.val_every=0",
+                  f"tracking.uri={uri}", "trainer.threads=1", f"trainer.out_dir={tmp_path}/runs",
+                  f"hydra.sweep.dir={tmp_path}/multirun"], cwd=tmp_path, timeout=1500)
+    assert res.returncode == 0, res.stderr[-3000:]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("stppo").experiment_id])
+    assert sorted(r.data.params["algo.rollout_correction"] for r in runs) == names
+    for r in runs:
+        name = r.data.params["algo.rollout_correction"]
+        assert r.info.status == "FINISHED", (name, r.data.tags.get("error"))
+        hist = {k: [m.value for m in client.get_metric_history(r.info.run_id, k)]
+                for k in (K.ROLLOUT_CORR_KL, K.OFFPOLICY_LAG_MAX, K.PG_LOSS)}
+        assert len(hist[K.ROLLOUT_CORR_KL]) == 2 and hist[K.OFFPOLICY_LAG_MAX] == [0.0, 1.0], name
+        fields, _ = resolve(name)
+        if fields["rollout_rs"] is not None:
+            assert K.ROLLOUT_RS_MASKED_FRACTION in r.data.metrics, name
+        if fields["rollout_is"] is not None:
+            assert K.ROLLOUT_IS_MEAN in r.data.metrics, name
