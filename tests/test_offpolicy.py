@@ -162,6 +162,31 @@ def test_offpolicy_metrics_by_hand_and_over_the_sampled_tokens():
     assert offpolicy_metrics(rejected, agent_mask=mask) == m
 
 
+def test_the_live_policy_is_pi_old_or_in_bypass_mode_its_own_forward():
+    """kl_to_current measures against θ_{t−1}: the recomputed π_old, or — in bypass mode, where
+    π_old is the sampler's — a forward of the live policy."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stppo.models import Precision
+    from stppo.train.offpolicy import live_log_probs
+
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(Qwen2Config(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)).train()
+    ids = torch.randint(0, 30, (3, 7))
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[:, 3:] = True
+    b = Batch(input_ids=ids, attention_mask=torch.ones(3, 7, dtype=torch.bool), loss_mask=mask,
+              turn_ids=torch.where(mask, 0, -1), group_ids=torch.zeros(3, dtype=torch.long), scores=torch.zeros(3),
+              old_log_probs=torch.full((3, 7), -9.0))  # bypass: the sampler's
+    assert live_log_probs(b, policy, False, Precision(), 2) is b.old_log_probs
+    got = live_log_probs(b, policy, True, Precision(), 2)
+    assert policy.training  # its mode restored
+    with torch.no_grad():
+        want = policy_log_probs(policy.eval(), ids, b.attention_mask, positions=mask)
+    torch.testing.assert_close(got[mask], want[mask])
+
+
 def test_the_history_keeps_what_later_steps_read_and_restarts_at_a_rollback():
     policy = torch.nn.Linear(2, 2)
     h = PolicyHistory(lag=2)
