@@ -5,6 +5,7 @@ uniform mode are seeded, a lag-0 run is the on-policy run, and a stale run resum
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 import os
 import shutil
@@ -144,8 +145,8 @@ def test_uniform_lags_are_in_range_vary_across_groups_and_follow_the_seed():
 
 
 def test_offpolicy_metrics_by_hand_and_over_the_sampled_tokens():
-    """lag_mean over groups, lag_max, and kl_to_current = mean over agent tokens of
-    log π_stale − log π_old (rows of age 0 count 0) — over the tokens as sampled: a decoupled
+    """lag_mean over groups, lag_max, and kl_to_current = mean over agent tokens of k3 =
+    e^r − 1 − r, r = log π_old − log π_stale (rows of age 0 count 0) — over the tokens as sampled: a decoupled
     correction that rejected every token of the prepared batch leaves the distance as it was."""
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
     old = torch.full((4, 4), -1.0)
@@ -155,7 +156,8 @@ def test_offpolicy_metrics_by_hand_and_over_the_sampled_tokens():
               scores=torch.zeros(4), old_log_probs=old, stale_log_probs=stale,
               rollout_lags=torch.tensor([3, 3, 0, 0]))
     m = offpolicy_metrics(b)
-    kl = ((-0.5 + 1) + (-0.7 + 1) + (-0.9 + 1) + 0 + (-0.8 + 1)) / 8  # 8 agent tokens in all
+    k3 = lambda r: math.exp(r) - 1 - r  # noqa: E731  r = log π_live − log π_stale
+    kl = (k3(-1 + 0.5) + k3(-1 + 0.7) + k3(-1 + 0.9) + k3(-1 + 1.0) + k3(-1 + 0.8)) / 8  # 8 agent tokens
     assert (m[K.OFFPOLICY_LAG_MEAN], m[K.OFFPOLICY_LAG_MAX]) == (1.5, 3.0)
     assert m[K.OFFPOLICY_KL_TO_CURRENT] == pytest.approx(kl, rel=1e-6)
     rejected = replace(b, loss_mask=torch.zeros_like(mask))

@@ -176,7 +176,9 @@ def live_log_probs(batch: Batch, policy: torch.nn.Module, bypass: bool, precisio
 def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tensor] = None,
                       live: Optional[torch.Tensor] = None) -> dict[str, float]:
     """`offpolicy/lag_mean`, `lag_max` over the batch's groups and `offpolicy/kl_to_current` =
-    mean over agent tokens of log π_stale − log π_old (0 on rows sampled by π_old itself); over
+    mean over agent tokens of k3 = e^r − 1 − r, r = log π_live − log π_stale (Schulman's k3: ≥ 0
+    per token, its mean under π_stale is KL(π_stale ‖ π_live); 0 on rows sampled by the live
+    policy itself); over
     all ranks when `reduce` (an all-reduce sum) is given. `agent_mask` (N, T): the agent tokens
     as sampled (default `batch.loss_mask`) — a decoupled rollout correction's rejection has
     removed tokens from the prepared batch's mask, and the distance is the sampler's, not the
@@ -191,10 +193,11 @@ def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tens
     agent = batch.loss_mask if agent_mask is None else agent_mask
     mask = agent & (batch.rollout_lags > 0)[:, None]  # (N, T)
     live = batch.old_log_probs if live is None else live
-    diff = (batch.stale_log_probs.to(live) - live).double()
+    r = (live - batch.stale_log_probs.to(live)).double()  # log π_live − log π_stale
+    k3 = torch.expm1(r.clamp(-20.0, 20.0)) - r  # (N, T) ≥ 0; its mean under π_stale: KL(π_stale ‖ π_live)
     sums = torch.stack([per_group.sum(), torch.tensor(float(len(per_group)), dtype=torch.float64,
                                                       device=lags.device),
-                        diff[mask].sum(), agent.sum().double()])
+                        k3[mask].sum(), agent.sum().double()])
     if reduce is not None:
         sums = reduce(sums)
     return {K.OFFPOLICY_LAG_MEAN: float(sums[0] / sums[1].clamp(min=1)),
