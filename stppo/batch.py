@@ -15,7 +15,7 @@ import torch
 
 PER_TOKEN = (
     "input_ids", "attention_mask", "loss_mask", "turn_ids", "rollout_log_probs",
-    "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns",
+    "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns", "segment_ids",
 )
 PER_TRAJECTORY = (
     "group_ids", "scores", "num_turns", "num_searches", "num_valid", "num_invalid",
@@ -38,6 +38,7 @@ class Batch:
     rewards: Optional[torch.Tensor] = None  # (N, T) float — outcome at last agent token (+KL)
     advantages: Optional[torch.Tensor] = None  # (N, T) float
     returns: Optional[torch.Tensor] = None  # (N, T) float
+    segment_ids: Optional[torch.Tensor] = None  # (N, T) long — subsentence of agent tokens (SSPO)
     num_turns: Optional[torch.Tensor] = None  # (N,) long — generation calls made
     num_searches: Optional[torch.Tensor] = None  # (N,) long
     num_valid: Optional[torch.Tensor] = None  # (N,) long — parseable actions

@@ -38,7 +38,7 @@ def updates(tmp_path_factory):
     return res
 
 
-CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift")
+CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "sspo", "tir_otb")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -9,9 +9,10 @@ corrections); a built-in mode, or the clip path with truncated IS weights ω as 
 `stppo.algos.modes.dispatch`; a researcher's stabiliser → its function (`stppo.algos.plugins`).
 The keywords are what a call adds to the spec: the data-parallel reduction (`global_denoms`,
 `reduce`), the policy parameters (the `grad` estimator), the TIS weights, a ‖C‖ the caller
-computed. Besides the loss and its metrics it returns what callers need per token, so none
-recomputes it: ρ at the spec's ratio level and κ, the clip path's clip indicator (whatever the
-mode: the per-turn breakdown, verl's dual-clip fraction and the exact clipping bias read them).
+computed, the subsentence labels (SSPO). Besides the loss and its metrics it returns what
+callers need per token, so none recomputes it: ρ at the spec's ratio level and κ, the clip
+path's clip indicator (whatever the mode: the per-turn breakdown, verl's dual-clip fraction and
+the exact clipping bias read them).
 """
 
 from __future__ import annotations
@@ -84,14 +85,17 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 global_denoms: GlobalDenoms = None, reduce: Reduce = None,
                 params: Optional[Iterable[torch.Tensor]] = None,
                 rollout_is_weights: Optional[torch.Tensor] = None,
-                correction_grad_norm: Optional[torch.Tensor] = None) -> LossOutput:
+                correction_grad_norm: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> LossOutput:
     """The policy loss of `spec` and its diagnostics (see the module docstring).
 
     Tensors (N, T): log_probs (with graph), old_log_probs, advantages, loss_mask (bool, agent
     tokens), turn_ids (long); non-agent positions may hold anything (nan/inf). `global_denoms`,
     `reduce`: data parallelism / split batches (`stppo.algos.loss.clip_policy_loss`); `params`:
     the policy parameters, for the correction estimator 'grad' (or `correction_grad_norm`, its
-    ‖C‖ computed by the caller); `rollout_is_weights`: TIS weights ω (N, T)."""
+    ‖C‖ computed by the caller); `rollout_is_weights`: TIS weights ω (N, T); `segment_ids`
+    (N, T) int: the subsentence labels of the agent tokens, for the loss modes that read them
+    (`LossMode.segments`: sspo), ignored by the others."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"policy_loss takes a LossSpec, got {type(spec).__name__}")
     mode = LOSS_MODES[spec.loss_mode]
@@ -115,7 +119,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         else:
             loss, metrics = dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                      loss_mode=spec.loss_mode, options=spec.options,
-                                     rollout_is_weights=rollout_is_weights, **kw)
+                                     rollout_is_weights=rollout_is_weights,
+                                     segment_ids=segment_ids, **kw)
     return LossOutput(loss, metrics, (log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec))
 
 

@@ -23,7 +23,8 @@ from stppo.algos.rollout_is import ROLLOUT_IS_KINDS
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 DEFAULT_CLIP = 0.2
-CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp")  # the others need a critic
+# the others need a critic
+CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "tir_optimal_token_baseline")
 
 
 def _fail(name: str, message: str) -> None:

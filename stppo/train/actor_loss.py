@@ -82,7 +82,8 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContex
                       global_denoms=scope.denoms, reduce=scope.reduce,
                       params=params if grad_est else None,
                       rollout_is_weights=tis_weights(spec, mb, old),
-                      correction_grad_norm=scope.correction_grad_norm if grad_est else None)
+                      correction_grad_norm=scope.correction_grad_norm if grad_est else None,
+                      segment_ids=mb.segment_ids)
     loss, m = out.loss, out.metrics
     entropy = agg_loss(ent, mb.loss_mask, spec.loss_agg, scope.denoms)
     if scope.metrics:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos import explained_variance
+from stppo.algos.advantages import OLD_POLICY_ESTIMATORS
 from stppo.batch import Batch
 from stppo.config import Config
 from stppo.metric_names import (CRITIC_GRAD_NORM, GRAD_NORM, GRAD_NORM_MAX, LR, SKIPPED_STEPS,
@@ -28,13 +29,16 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     """True when the update is provably on-policy, so π_old = π_θ at its only forward and the
     old log-probs are that forward's detached log-probs (identical numbers): one epoch, one
     minibatch holding the whole rollout batch, nothing before the update that reads the old
-    log-probs (the KL penalty in the reward does), and no rollout correction that compares them
-    with the sampler's (TIS)."""
+    log-probs (the KL penalty in the reward does, and so does the optimal token baseline, which
+    reads the old forward's Σπ² too), and no rollout correction that compares them with the
+    sampler's (TIS)."""
     tr, algo = cfg.trainer, cfg.algo
     one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
     kl_reads_old = algo.kl.coef > 0 and algo.kl.in_reward
+    advantage_reads_old = algo.advantage in OLD_POLICY_ESTIMATORS
     corrects_rollout = algo.spec.rollout_is.kind != "none"
-    return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not corrects_rollout
+    return (tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not advantage_reads_old
+            and not corrects_rollout)
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from local_model import make_local_model
 
-from stppo.algos import PRESETS, LossSpec
+from stppo.algos import LOSS_MODES, PRESETS, LossSpec
 from stppo.config import compose, to_config
 from stppo.integrations.verl import overrides as O
 
@@ -61,7 +61,7 @@ def translate(stppo_overrides: list[str], model_dir: Path, hub_id: str | None = 
     return cfg, c, built
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [n for n, p in PRESETS.items() if not LOSS_MODES[p.loss_mode].segments])
 def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, model_dir):
     cfg, c, b = translate([*SMALL, f"algo={preset}", f"model.path={model_dir}"], model_dir)
     p = PRESETS[preset]
@@ -160,3 +160,26 @@ def test_a_loss_other_than_the_presets_reaches_verl(model_dir):
     loss = b["actor"].policy_loss
     assert loss.loss_mode == "stppo_ppo" and LossSpec.from_dict(loss.spec).loss_mode == "cispo"
     assert LossSpec.from_dict(loss.spec) == cfg.algo.spec
+
+
+@pytest.mark.parametrize("algo", [["algo=tir_otb"], ["algo=grpo", "algo.advantage=tir_optimal_token_baseline"]])
+def test_the_optimal_token_baseline_gets_verls_sum_pi_squared_and_legacy_trainer(algo, model_dir):
+    """verl 0.9.1 computes Σπ² only with calculate_sum_pi_squared, unfused kernels and its legacy
+    trainer (its v1 trainer never fetches it for `compute_advantage`)."""
+    cfg, c, b = translate([*SMALL, *algo, f"model.path={model_dir}"], model_dir)
+    assert b["algorithm"].adv_estimator == "tir_optimal_token_baseline" and b["critic"] is None
+    assert b["actor"].calculate_sum_pi_squared and not c.actor_rollout_ref.model.use_fused_kernels
+    assert c.trainer.use_v1 is False
+    cfg, c, b = translate([*SMALL, "algo=grpo", f"model.path={model_dir}"], model_dir)
+    assert not b["actor"].calculate_sum_pi_squared and c.trainer.use_v1 is True  # verl's defaults
+
+
+def test_the_new_baselines_options_reach_verl_and_sspo_is_refused(model_dir):
+    cfg, c, b = translate([*SMALL, "algo=dppo_kl", "+algo.loss_options.clip_ratio_c=5.0",
+                           f"model.path={model_dir}"], model_dir)
+    spec = LossSpec.from_dict(b["actor"].policy_loss.spec)
+    assert spec.loss_mode == "dppo_kl" and dict(spec.options) == {"clip_ratio_c": 5.0}
+    assert (b["actor"].clip_ratio_low, b["actor"].clip_ratio_high) == (0.05, 0.05)  # δ_low, δ_high
+    with pytest.raises(ValueError, match="algo.loss_mode=sspo reads subsentences from the token ids") as e:
+        translate([*SMALL, "algo=sspo", f"model.path={model_dir}"], model_dir)
+    assert "\n" not in str(e.value)

@@ -8,7 +8,10 @@ is rejected by `check_translatable` when it would change the run):
                              (`_target_`) carrying the whole spec (policy_loss.spec: ratio level,
                              correction, loss mode and options, …) and, for a researcher's preset,
                              the stabiliser's import path (policy_loss.plugin); the advantage →
-                             algorithm.adv_estimator, the critic → critic.enable
+                             algorithm.adv_estimator (tir_optimal_token_baseline also →
+                             actor.calculate_sum_pi_squared, unfused kernels, trainer.use_v1=false),
+                             the critic → critic.enable; a loss mode that reads subsentences
+                             (sspo) is rejected
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
   algo.loss_agg              actor.loss_agg_mode
   algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
@@ -58,7 +61,17 @@ REWARD_NAME = "compute_score"
 TOOL_FORMAT = "search_r1"  # the ToolParser registered by stppo.integrations.verl.tool
 AGENT_LOOP = "search_r1_agent"  # the tool agent loop with Search-R1's stop tags (tool.py)
 
-ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus"}
+ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
+                  "tir_optimal_token_baseline": "tir_optimal_token_baseline"}
+# verl 0.9.1 computes Σπ² (the optimal token baseline's input) only with the actor's
+# calculate_sum_pi_squared, unfused kernels, and in its legacy trainer: the v1 trainer
+# (trainer/ppo/v1/trainer_base.py) neither asks its workers for it in `_compute_old_log_prob` nor
+# reads it in `_compute_advantage`, so `compute_advantage` fails its "sum_pi_squared" assert.
+SUM_PI_SQUARED = {"actor_rollout_ref.actor.calculate_sum_pi_squared": True,
+                  "actor_rollout_ref.model.use_fused_kernels": False, "trainer.use_v1": False}
+SEGMENTS_ERROR = ("reads subsentences from the token ids, which verl 0.9.1 does not pass to a policy "
+                  "loss (its ppo_loss hands over log-probs, advantages and the response mask only); "
+                  "train it with backend=own")
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 MAX_TOOL_RESPONSE_CHARS = 8192  # verl truncates longer tool responses (middle); 3 passages fit
@@ -118,10 +131,14 @@ def per_turn_count(cfg: Config) -> int:
 def check_translatable(cfg: Config) -> None:
     """Reject settings the verl backend cannot honour (one line naming the field)."""
 
+    from stppo.algos import LOSS_MODES
+
     a, t = cfg.algo, cfg.trainer
     c = a.spec.correction
     if c is not None and c.estimator == "grad":
         raise ValueError(f"algo.correction.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
+    if LOSS_MODES[a.spec.loss_mode].segments:
+        raise ValueError(f"algo.loss_mode={a.spec.loss_mode} {SEGMENTS_ERROR}")
     if a.advantage not in ADV_ESTIMATORS:
         raise ValueError(f"algo.advantage={a.advantage} has no verl estimator; backend=verl supports "
                          f"{', '.join(ADV_ESTIMATORS)}")
@@ -171,6 +188,8 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
     o: dict[str, Any] = {"algorithm.adv_estimator": ADV_ESTIMATORS[a.advantage], "algorithm.gamma": a.gamma,
                          "algorithm.lam": a.gae_lambda, "algorithm.norm_adv_by_std_in_grpo": True,
                          "algorithm.use_kl_in_reward": a.kl.coef > 0 and a.kl.in_reward}
+    if a.advantage == "tir_optimal_token_baseline":
+        o.update(SUM_PI_SQUARED)
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
                   "algorithm.kl_ctrl.kl_coef": a.kl.coef})
