@@ -47,7 +47,7 @@ CASES = {
     # SSPO: subsentences from the policy's delimiter table, per shard; the optimal token
     # baseline: the old forward's Σπ², per group (a group never spans ranks)
     "sspo": dict(name="sspo"),
-    "tir_otb": dict(name="tir_otb"),
+    "tir_optimal_token_baseline": dict(name="tir_optimal_token_baseline"),
 }
 PLUGIN_SEARCH_PATH = "hydra.searchpath=[pkg://turn_drift.conf]"
 

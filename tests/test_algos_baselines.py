@@ -377,7 +377,8 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         "dppo_kl": ("token", "dppo_kl", "grpo", "token-mean", 0.05, 0.05),
         "dro": ("token", "dro", "grpo", "token-mean", 0.2, 0.2),
         "sspo": ("token", "sspo", "grpo", "seq-mean-token-mean", 0.2, 0.2),
-        "tir_otb": ("token", "clip", "tir_optimal_token_baseline", "token-mean", 0.2, 0.2),
+        "tir_optimal_token_baseline": ("token", "clip", "tir_optimal_token_baseline", "token-mean",
+                                       0.2, 0.2),
     }
     assert list(PRESETS)[8:] == list(table)
     for name, row in table.items():
@@ -393,7 +394,8 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         assert (a.dynamic_sampling.enabled, a.overlong.enabled) == (p.dynamic_sampling,
                                                                     p.overlong)
         first = (CONF_DIR / "algo" / f"{name}.yaml").read_text().splitlines()[0]
-        source = "docs/algo/otb.md" if name == "tir_otb" else "arXiv"  # OTB: verl's docs, a blog
+        # the optimal token baseline has no paper: verl's docs and a blog
+        source = "docs/algo/otb.md" if name == "tir_optimal_token_baseline" else "arXiv"
         assert first.startswith("# ") and source in first, name  # what it is and its source
     assert PRESETS["dapo"].dynamic_sampling and PRESETS["dapo"].overlong
     assert dict(PRESETS["sapo"].options) == {"tau_pos": 1.0, "tau_neg": 1.05}

@@ -38,7 +38,8 @@ def updates(tmp_path_factory):
     return res
 
 
-CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "sspo", "tir_otb")
+CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "sspo",
+         "tir_optimal_token_baseline")
 
 
 @pytest.mark.parametrize("case", CASES)

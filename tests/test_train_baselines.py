@@ -18,7 +18,7 @@ from stppo.train.setup import build_components
 from test_orchestration import run_py
 
 BASELINES = ["dapo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo", "rloo", "reinforce_pp",
-             "dppo_tv", "dppo_kl", "dro", "sspo", "tir_otb"]
+             "dppo_tv", "dppo_kl", "dro", "sspo", "tir_optimal_token_baseline"]
 
 
 def _two_steps(cfg):

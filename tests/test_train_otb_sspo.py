@@ -45,7 +45,7 @@ def _batch() -> Batch:
 # --- the optimal token baseline -------------------------------------------------------------------
 def test_the_optimal_token_baseline_reads_the_old_forwards_sum_pi_squared():
     policy, batch = _model(), _batch()
-    algo = AlgoConfig(name="tir_otb")
+    algo = AlgoConfig(name="tir_optimal_token_baseline")
     out, metrics = prepare_batch(batch, policy, None, None, algo, chunk=3)
     old, s2 = policy_log_probs_sum_pi_squared(policy, batch.input_ids, batch.attention_mask,
                                               positions=batch.loss_mask)
@@ -63,26 +63,30 @@ def test_the_optimal_token_baseline_scales_its_energies_by_the_tis_weights():
     g = torch.Generator().manual_seed(5)
     batch = replace(batch, rollout_log_probs=torch.where(
         batch.loss_mask, -torch.rand(N, T, generator=g, dtype=torch.float64) * 3, 0.0))
-    plain, _ = prepare_batch(batch, policy, None, None, AlgoConfig(name="tir_otb"))
+    plain, _ = prepare_batch(batch, policy, None, None,
+                             AlgoConfig(name="tir_optimal_token_baseline"))
     tis, _ = prepare_batch(batch, policy, None, None,
-                           AlgoConfig(name="tir_otb", rollout_is={"kind": "token", "threshold": 1.5}))
+                           AlgoConfig(name="tir_optimal_token_baseline",
+                                      rollout_is={"kind": "token", "threshold": 1.5}))
     assert not torch.allclose(plain.advantages, tis.advantages)
 
 
 def test_the_optimal_token_baseline_never_skips_the_old_forward(tiny_cfg):
     one_pass = ["trainer.ppo_epochs=1", "trainer.minibatch_size=16"]  # one minibatch: on-policy
     assert old_log_probs_from_update(to_config(tiny_cfg("algo=grpo", *one_pass)))
-    assert not old_log_probs_from_update(to_config(tiny_cfg("algo=tir_otb", *one_pass)))
+    assert not old_log_probs_from_update(to_config(tiny_cfg("algo=tir_optimal_token_baseline",
+                                                            *one_pass)))
     assert not old_log_probs_from_update(to_config(tiny_cfg(
         "algo=grpo", "algo.advantage=tir_optimal_token_baseline", *one_pass)))
     with pytest.raises(ValueError, match="reads the old policy's forward"):
-        prepare_batch(_batch(), _model(), None, None, AlgoConfig(name="tir_otb"), skip_old=True)
+        prepare_batch(_batch(), _model(), None, None, AlgoConfig(name="tir_optimal_token_baseline"),
+                      skip_old=True)
 
 
 def test_the_optimal_token_baseline_takes_no_critic():
-    assert not PRESETS["tir_otb"].use_critic
+    assert not PRESETS["tir_optimal_token_baseline"].use_critic
     with pytest.raises(ValueError, match="algo.advantage=gae needs a critic"):
-        to_config(compose(["algo=tir_otb", "algo.advantage=gae"]))
+        to_config(compose(["algo=tir_optimal_token_baseline", "algo.advantage=gae"]))
 
 
 # --- SSPO's subsentences --------------------------------------------------------------------------

@@ -38,11 +38,12 @@ The losses people compare against (docs/design.md §2; their loss modes are in
 | dppo_kl      | token    | dppo_kl   | grpo         | δ 0.05/0.05 (KL), token-mean; C 20 (DPPO; verl) |
 | dro          | token    | dro       | grpo         | token-mean; β 0.05 (verl)                      |
 | sspo         | token    | sspo      | grpo         | subsentence ratios, entropy-scaled ε 0.2/0.2; α 1, w ∈ [0.5, 2] |
-| tir_otb      | token    | clip      | tir_optimal_token_baseline | token-mean (verl's OTB example) |
+| tir_optimal_token_baseline | token | clip | tir_optimal_token_baseline | token-mean (verl's OTB example) |
 
 The ratio column is the level of the clip diagnostics (per-turn breakdown); SSPO's own ratio is
-per subsentence. `tir_otb` is PPO's clip with verl's multi-turn ("tool-integrated reasoning")
-optimal token baseline — named after the estimator, which any critic-free preset can also take
+per subsentence. The preset `tir_optimal_token_baseline` is PPO's clip with verl's multi-turn
+("tool-integrated reasoning") optimal token baseline, named after the estimator as rloo and
+reinforce_pp are; any critic-free preset can also take it
 (`algo.advantage=tir_optimal_token_baseline`).
 """
 
@@ -141,6 +142,6 @@ for _name, _level, _adv, _fixed in (
     ("dro", "token", "grpo", dict(loss_mode="dro", loss_agg=TOKEN_MEAN, options={"beta": 0.05})),
     ("sspo", "token", "grpo", dict(loss_mode="sspo", options={"entropy_alpha": 1.0,
                                                              "scale_min": 0.5, "scale_max": 2.0})),
-    ("tir_otb", "token", "tir_optimal_token_baseline", dict(loss_agg=TOKEN_MEAN)),
+    ("tir_optimal_token_baseline", "token", "tir_optimal_token_baseline", dict(loss_agg=TOKEN_MEAN)),
 ):
     register_preset(Preset(_name, _level, "none", _adv, False, **_fixed))

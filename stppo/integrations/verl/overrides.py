@@ -13,6 +13,8 @@ is rejected by `check_translatable` when it would change the run):
                              the critic → critic.enable; a loss mode that reads subsentences
                              (sspo) is rejected
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
+  loss options of dppo_*/dro clip_ratio_c → actor.clip_ratio_c, beta → policy_loss.dro_beta: the
+                             keys verl's own dppo_tv, dppo_kl, dro read (VERL_LOSS_MODES)
   algo.loss_agg              actor.loss_agg_mode
   algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
   algo.dynamic_sampling      algorithm.filter_groups (enable, metric=reward, max_num_gen_batches)
@@ -61,6 +63,11 @@ REWARD_NAME = "compute_score"
 TOOL_FORMAT = "search_r1"  # the ToolParser registered by stppo.integrations.verl.tool
 AGENT_LOOP = "search_r1_agent"  # the tool agent loop with Search-R1's stop tags (tool.py)
 
+# Loss modes whose settings verl 0.9.1 reads from its own keys, each mode with verl's loss of the
+# same name: a run still trains with stppo_<preset> (the same numbers, tests/verl, plus stppo's
+# diagnostics), and its actor config is also the one verl's own loss reads (`_verl_loss_knobs`):
+# swapping policy_loss.loss_mode for verl's name changes neither the loss nor its gradient.
+VERL_LOSS_MODES = ("dppo_tv", "dppo_kl", "dro")
 ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
                   "tir_optimal_token_baseline": "tir_optimal_token_baseline"}
 # verl 0.9.1 computes Σπ² (the optimal token baseline's input) only with the actor's
@@ -227,9 +234,22 @@ def _actor(cfg: Config) -> dict[str, Any]:
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu,
     }
     o[f"{ACTOR}.clip_ratio_c"] = a.dual_clip if a.dual_clip is not None else NO_DUAL_CLIP
+    o.update(_verl_loss_knobs(a.spec, pl))
     if a.kl.coef > 0 and not a.kl.in_reward:
         o.update({f"{ACTOR}.kl_loss_coef": a.kl.coef, f"{ACTOR}.kl_loss_type": a.kl.estimator})
     return o
+
+
+def _verl_loss_knobs(spec, pl: str) -> dict[str, Any]:
+    """verl's own keys of the VERL_LOSS_MODES, set to the spec's values: DPPO's truncation C is
+    verl's `actor.clip_ratio_c` (DPPO has no dual clip; δ_low, δ_high are clip_ratio_low/high
+    already), DRO's β its `policy_loss.dro_beta` (required, no default). The stppo_* loss itself
+    reads the spec."""
+    if spec.loss_mode in ("dppo_tv", "dppo_kl"):
+        return {f"{ACTOR}.clip_ratio_c": spec.options["clip_ratio_c"]}
+    if spec.loss_mode == "dro":
+        return {f"{pl}.dro_beta": spec.options["beta"]}
+    return {}
 
 
 def _rollout(cfg: Config, files: JobFiles) -> dict[str, Any]:
