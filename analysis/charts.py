@@ -20,6 +20,7 @@ from matplotlib.colors import to_hex
 
 from stppo import metric_names as T
 
+from .axes import base_preset, lag_label
 from .figures import preset_color, seed_drops
 from .stats import aggregate, metric_kind
 
@@ -66,7 +67,7 @@ def run_panels(metrics: pd.DataFrame, run_id: str, panels: Sequence[tuple[str, S
         data["metric"] = data["metric"].astype(str)
         base = alt.Chart(data, title=title, width=WIDTH, height=HEIGHT).mark_line(point=alt.OverlayMarkDef(size=14))
         enc = base.encode(x=step_x(), y=alt.Y("value:Q", title=None, scale=alt.Scale(zero=False)),
-                          color=alt.Color("metric:N", legend=alt.Legend(orient="bottom", title=None)),
+                          color=alt.Color("metric:N", legend=alt.Legend(orient="bottom", title=None, labelLimit=400)),
                           tooltip=["step:Q", "metric:N", alt.Tooltip("value:Q", format=".4g")])
         if charts:
             enc = enc.transform_filter(brush).add_params(_zoom(f"zoom{len(charts)}"))
@@ -112,8 +113,7 @@ def band_chart(agg: pd.DataFrame, title: str, *, log_scale: bool = False, brush:
     if filter_by is not None:
         base = base.transform_filter(filter_by)
     first = agg.drop_duplicates("series")
-    color = alt.Color("series:N", legend=alt.Legend(orient="bottom", title=None), scale=alt.Scale(
-        domain=list(first["series"]), range=[to_hex(preset_color(a)) for a in first["algo"]]))  # as in the report
+    color = alt.Color("series:N", legend=alt.Legend(orient="bottom", title=None), scale=_series_colors(first))
     tip = ["series:N", "step:Q", alt.Tooltip("mean:Q", format=".4g"), alt.Tooltip("ci_low:Q", format=".4g"),
            alt.Tooltip("ci_high:Q", format=".4g"), alt.Tooltip("n:Q", title="seeds"), "interval:N"]
     band = base.mark_area(opacity=0.2).encode(x=step_x(), y=alt.Y("ci_low:Q", title=None, scale=scale),
@@ -143,14 +143,37 @@ def band_charts(metrics: pd.DataFrame, keys: Sequence[str], *, smoothing: float 
     return alt.concat(*charts, columns=columns) if charts else None
 
 
+def _turn_of(key: str, name: str) -> int | None:
+    """k of a key `turn/k{k}/{name}`, else None. Spelled out rather than through
+    `T.parse_turn_key`, which knows only the names of TURN_METRICS, so a per-turn metric a newer
+    trainer logs (`rollout_kl`) is drawn from any store."""
+    head, sep, tail = key.removeprefix(T.TURN_PREFIX).partition("/")
+    return int(head) if key.startswith(T.TURN_PREFIX) and sep and tail == name and head.isdigit() else None
+
+
 def turn_frame(metrics: pd.DataFrame, run_id: str, name: str) -> pd.DataFrame:
     """(step, turn, value) of the per-turn metric `name` of one run (keys `turn/k{k}/{name}`)."""
     run = metrics[metrics["run_id"] == run_id]
-    keys = [str(k) for k in run["metric"].unique() if (T.parse_turn_key(str(k)) or (None, None))[1] == name]
-    sub = run[run["metric"].isin(keys)]
-    turn = sub["metric"].astype(str).map(lambda k: T.parse_turn_key(k)[0])
+    turns = {str(k): t for k in run["metric"].unique() if (t := _turn_of(str(k), name)) is not None}
+    sub = run[run["metric"].isin(list(turns))]
+    turn = sub["metric"].astype(str).map(turns)
     return pd.DataFrame({"step": sub["step"].to_numpy(), "turn": turn.to_numpy(dtype=np.int64),
                          "value": sub["value"].to_numpy()}).sort_values(["turn", "step"], ignore_index=True)
+
+
+def series_preset(label: str) -> str:
+    """The preset of a series label (`grpo+decoupled_geo_rs · lag 2` -> `grpo`), for its colour."""
+    return base_preset(str(label).split(" · ", 1)[0])
+
+
+def _series_colors(first: pd.DataFrame) -> alt.Scale:
+    """Colours of the series (`series`, `algo` columns, one row each): each preset's own colour, as
+    in the report's figures, while every series is a different preset; a categorical scheme when a
+    preset has several series (lags, corrections), so its lines stay apart."""
+    presets = first["algo"].map(series_preset)
+    if presets.is_unique:
+        return alt.Scale(domain=list(first["series"]), range=[to_hex(preset_color(a)) for a in presets])
+    return alt.Scale(domain=list(first["series"]), scheme="tableau10" if len(first) <= 10 else "tableau20")
 
 
 def turn_names(metrics: pd.DataFrame, run_id: str | None = None) -> list[str]:
@@ -189,3 +212,40 @@ def alarm_chart(stats: pd.DataFrame, runs: pd.DataFrame, indicator: str, thresho
     rule = alt.Chart(pd.DataFrame({"h": [threshold]})).mark_rule(color="black", strokeDash=[4, 3]).encode(
         y="h:Q", tooltip=[alt.Tooltip("h:Q", title="threshold")])
     return alt.layer(lines.add_params(_zoom()), rule)
+
+
+def frontier_chart(cells: pd.DataFrame, x: str, order: Sequence, *, labels: dict | None = None) -> alt.Chart:
+    """The stability frontier: P(collapse) per cell with its Wilson 95% bar against `x` (level or
+    lag) at the values `order`, one line per preset label (and lag mode when the cells have
+    several); a corrected preset dashed; with a `level` column and x = lag, one panel per level.
+    Hover gives k/n, the interval, the median onset and final success."""
+    data = cells.copy()
+    data["x"] = data[x].map(lambda v: (labels or {}).get(v, lag_label(v) if x == "lag" else str(v)))
+    modes = "lag_mode" in data.columns and data["lag_mode"].nunique() > 1
+    data["series"] = data["algo"].astype(str) + (" (" + data["lag_mode"].astype(str) + ")" if modes else "")
+    data["corrected"] = data["algo"].astype(str).str.contains("+", regex=False).map({True: "corrected", False: ""})
+    data["k/n"] = data["collapsed"].astype(int).astype(str) + "/" + data["runs"].astype(int).astype(str)
+    first = data.drop_duplicates("series")
+    sort = [(labels or {}).get(v, lag_label(v) if x == "lag" else str(v)) for v in order]
+    color = alt.Color("series:N", title="preset", scale=_series_colors(first), legend=alt.Legend(labelLimit=320))
+    xenc = alt.X("x:N", sort=sort, title=x if x != "lag" else "lag k", axis=alt.Axis(labelAngle=0))
+    dodge = alt.XOffset("series:N", scale=alt.Scale(paddingInner=0.3))  # a cell's series side by side
+    yscale = alt.Scale(domain=[0, 1])
+    tip = ["series:N", "x:N", "k/n:N", alt.Tooltip("collapse_p:Q", title="P(collapse)", format=".2f"),
+           alt.Tooltip("collapse_p_low:Q", title="95% low", format=".2f"),
+           alt.Tooltip("collapse_p_high:Q", title="95% high", format=".2f"),
+           alt.Tooltip("median_onset:Q", title="median onset"), alt.Tooltip("final_success:Q", format=".3f")]
+    grid = x == "lag" and "level" in data.columns
+    base = alt.Chart()  # the data and the size sit on the layer (a facet needs the data there)
+    dash = alt.StrokeDash("corrected:N", legend=None, scale=alt.Scale(domain=["", "corrected"], range=[[1, 0], [5, 3]]))
+    bars = base.mark_rule(opacity=0.6).encode(x=xenc, xOffset=dodge, y=alt.Y("collapse_p_low:Q", scale=yscale),
+                                              y2="collapse_p_high:Q", color=color, tooltip=tip)
+    line = base.mark_line(point=alt.OverlayMarkDef(size=40, filled=True)).encode(
+        x=xenc, xOffset=dodge, y=alt.Y("collapse_p:Q", title="P(collapse)  (Wilson 95%)", scale=yscale),
+        color=color, strokeDash=dash, tooltip=tip)
+    chart = alt.layer(bars, line, data=data).properties(width=260 if grid else WIDTH, height=260)
+    if grid:
+        return chart.facet(column=alt.Column("level:N", title=None))
+    # its own size (Streamlit fits a single view into width × height otherwise, legend included)
+    return chart.properties(title="stability frontier: P(collapse) per cell",
+                            autosize=alt.AutoSizeParams(type="pad", contains="padding"))

@@ -5,7 +5,9 @@ are plain `matplotlib.figure.Figure` (thread-safe in a server, never leaked, nev
 * `fig_collapse_diagnosis` — one run: advantages, valid actions, grad norm, success (Fig. 2);
 * `fig_token_vs_turn` — success, grad norm, pg-loss norm, clipping-bias norm per preset (Fig. 3);
 * `fig_success_by_preset` — validation success per preset, one panel per model size (Fig. 4);
-* `fig_clip_kl` — clip ratio and KL per preset (Fig. 5).
+* `fig_clip_kl` — clip ratio and KL per preset (Fig. 5);
+* `fig_frontier`, `fig_frontier_grid` — collapse probability per cell of the stability frontier
+  (`analysis.frontier`) against the level or the lag, and per level against the lag.
 Curves across seeds are the mean with a 95% band that stays in the quantity's range (`stats.aggregate`:
 bootstrap for rates and non-negative quantities, t otherwise); where seeds drop out the points are
 marked and the new count is written ("n=2"). Step axes have integer ticks. A metric a run did not
@@ -24,6 +26,7 @@ from matplotlib.ticker import MaxNLocator
 
 from stppo import metric_names as T
 
+from .axes import DEFAULT_LAG_MODE, base_preset
 from .stats import aggregate
 
 PRESET_ORDER = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo", "so_grpo",
@@ -33,6 +36,21 @@ STYLES = ("-", "--", ":", "-.")
 FIG3_METRICS = (T.SUCCESS_RATE, T.GRAD_NORM, T.PG_LOSS_NORM, T.CLIP_BIAS_NORM)
 FIG5_METRICS = (T.PG_CLIPFRAC, T.PPO_KL, T.KL_REF)
 ADVANTAGES = (T.ADV_MEAN, T.ADV_STD, T.ADV_MAX, T.ADV_MIN)
+# Sampler vs trainer mismatch and stale rollouts next to Fig. 2's panels (title, keys; a panel shows
+# the keys a run logged): verl's rollout_corr/* and stppo's offpolicy/* (docs/design.md §4)
+MISMATCH_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sampler vs trainer KL", (T.ROLLOUT_CORR_KL, T.ROLLOUT_CORR_K3_KL, T.ROLLOUT_CORR_LOG_PPL_DIFF,
+                               T.ROLLOUT_CORR_LOG_PPL_ABS_DIFF)),
+    ("χ² of π_old / π_rollout", (T.ROLLOUT_CORR_CHI2_TOKEN, T.ROLLOUT_CORR_CHI2_SEQ)),
+    ("perplexity (trainer, sampler)", (T.ROLLOUT_CORR_TRAINING_PPL, T.ROLLOUT_CORR_ROLLOUT_PPL,
+                                       T.ROLLOUT_CORR_PPL_RATIO)),
+    ("IS weights", (T.ROLLOUT_IS_MEAN, T.ROLLOUT_IS_MAX)),
+    ("IS effective sample size, out-of-bound shares", (T.ROLLOUT_IS_ESS, T.ROLLOUT_IS_FRACTION_HIGH,
+                                                       T.ROLLOUT_IS_FRACTION_LOW)),
+    ("staleness: lag of the sampling policy (steps)", (T.OFFPOLICY_LAG_MEAN, T.OFFPOLICY_LAG_MAX)),
+    ("KL of the stale policy to the current one", (T.OFFPOLICY_KL_TO_CURRENT,)),
+)
+TURN_MISMATCH = "rollout_kl"  # the per-turn sampler/trainer KL `turn/k{k}/rollout_kl`
 
 
 def preset_color(algo: str):
@@ -206,3 +224,70 @@ def fig_clip_kl(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
     keys = [k for k in FIG5_METRICS if k != T.KL_REF or (metrics["metric"] == T.KL_REF).any()]
     return _band_figure(metrics, keys, presets=presets, models=models, smoothing=smoothing,
                         log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean and 95% CI)")
+
+
+def _frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
+    """(preset label, lag mode or None) per line, presets in PRESET_ORDER; the mode only when the
+    cells have several."""
+    modes = "lag_mode" in cells.columns and cells["lag_mode"].nunique() > 1
+    pairs = cells[["algo", "lag_mode"]].drop_duplicates() if modes else cells[["algo"]].drop_duplicates()
+    rank = {a: i for i, a in enumerate(PRESET_ORDER)}
+    out = [(str(r["algo"]), str(r["lag_mode"]) if modes else None) for _, r in pairs.iterrows()]
+    return sorted(out, key=lambda s: (rank.get(base_preset(s[0]), len(rank)), s[0], s[1] or ""))
+
+
+def _draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dict | None,
+                   series: list[tuple[str, str | None]] | None = None) -> None:
+    """P(collapse) with its Wilson bars per series (`_frontier_series`) at the positions of
+    `order` (a corrected preset dashed, a lag mode other than fixed dotted with hollow markers)."""
+    pos = {v: i for i, v in enumerate(order)}
+    series = series if series is not None else _frontier_series(cells)
+    for off, (algo, mode) in zip(np.linspace(-0.22, 0.22, max(1, len(series))), series):
+        c = cells[(cells["algo"] == algo) & (cells[x].isin(list(order)))]
+        if mode is not None:
+            c = c[c["lag_mode"] == mode]
+        if c.empty:
+            continue
+        c = c.assign(_x=c[x].map(pos) + off).sort_values("_x")
+        err = np.vstack([c["collapse_p"] - c["collapse_p_low"],
+                         c["collapse_p_high"] - c["collapse_p"]]).clip(min=0.0)  # float noise at 0, 1
+        odd_mode = mode not in (None, DEFAULT_LAG_MODE)
+        ls = {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}["+" in algo, odd_mode]
+        ax.errorbar(c["_x"], c["collapse_p"], yerr=err, marker=preset_marker(base_preset(algo)), ms=5, lw=1.2,
+                    capsize=2, ls=ls, color=preset_color(base_preset(algo)), mfc="none" if odd_mode else None,
+                    label=algo + (f" ({mode})" if mode is not None else ""))
+    ax.set_xticks(range(len(order)), [(labels or {}).get(v, str(v)) for v in order], fontsize=8)
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+
+
+def fig_frontier(cells: pd.DataFrame, levels: Sequence, *, labels: dict | None = None, x: str = "level",
+                 xlabel: str = "off-policyness level") -> Figure:
+    """Collapse probability (Wilson 95% bars) against the cells' column `x` (the level, or the
+    lag) at the values `levels` in order, one line per preset label (and lag mode)."""
+    fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
+    ax = fig.subplots()
+    _draw_frontier(ax, cells, levels, x, labels)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("P(collapse)  (Wilson 95%)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="preset", title_fontsize=7)
+    return fig
+
+
+def fig_frontier_grid(cells: pd.DataFrame, levels: Sequence[str], lags: Sequence[int], *,
+                      labels: dict | None = None) -> Figure:
+    """The level × lag frontier: one panel per level (titled by `labels`), collapse probability
+    against the lag in each; cells with columns level, lag (, lag_mode), algo."""
+    fig = Figure(figsize=(3.2 * max(1, len(levels)) + 2.2, 4.4), constrained_layout=True)
+    axes = np.atleast_1d(fig.subplots(1, max(1, len(levels)), sharey=True))
+    handles: dict[str, object] = {}
+    series = _frontier_series(cells)  # the same lines in every panel
+    for ax, lv in zip(axes, levels):
+        _draw_frontier(ax, cells[cells["level"] == lv], lags, "lag", None, series)
+        ax.set_title((labels or {}).get(lv, lv), fontsize=8)
+        ax.set_xlabel("lag k")
+        handles |= dict(zip(*reversed(ax.get_legend_handles_labels())))
+    axes[0].set_ylabel("P(collapse)  (Wilson 95%)")
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="outside right upper", title="preset",
+               title_fontsize=7)
+    return fig

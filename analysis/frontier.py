@@ -1,7 +1,11 @@
-"""The stability frontier of a study over off-policyness levels (docs/results/frontier/).
+"""The stability frontier of a study along an axis of off-policyness (docs/results/frontier/).
 
-A *level* is one MLflow experiment of the study (`frontier_l1`, …, in order of off-policyness);
-a *cell* is (level, preset). Per cell:
+The axes (`analysis.axes`): the *level* — one MLflow experiment of the study (`frontier_l1`, …,
+in order of off-policyness of the update); the *lag* — the runs' `trainer.offpolicy.lag` (stale
+rollouts: the batch of step t was sampled by the policy after step t − k), each `lag_mode` its
+own cell; or *both* (level × lag). A *cell* is (x, preset), x = level, (lag, lag_mode) or (level,
+lag, lag_mode), and the preset label carries the rollout correction when one is set
+(`grpo+decoupled_geo_rs`). Per cell:
 
     collapse probability  k/n with the Wilson score interval (Wilson 1927), which stays in [0, 1]
                           and is not degenerate at k = 0 or k = n:
@@ -10,26 +14,25 @@ a *cell* is (level, preset). Per cell:
     peak grad norm        mean of the runs' maximal pre-clip gradient norm, bootstrap CI (≥ 0)
     clip fraction, KL     mean over runs of each run's mean actor/pg_clipfrac and actor/ppo_kl
 
-Pairwise comparisons within a level, for every pair of presets: Fisher's exact test of the
-collapse counts and Welch's t-test of final success; the p-values of each family (one level, one
+Pairwise comparisons within an x, for every pair of presets: Fisher's exact test of the
+collapse counts and Welch's t-test of final success; the p-values of each family (one x, one
 test) are adjusted with Holm's step-down method (Holm 1979), which controls the family-wise error
 rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
 Pooled contrasts (`contrast_table`, contrasts.csv): pre-specified groups of presets (critic vs
-critic-free, token vs turn ratio, uncorrected vs corrected), the same two tests per level (the
-row `_two_group_tests` builds for a pair too), Holm over the whole table.
+critic-free, token vs turn ratio, uncorrected vs corrected) and each corrected preset against
+its uncorrected one, the same two tests per x (the row `_two_group_tests` builds for a pair
+too), Holm over the whole table. The critic warm-start comparison: `analysis.critic`.
 
-The critic warm-start comparison (`critic_table`): per (level, GAE preset), runs with
-`trainer.critic_warmstart` (experiments `critic_ws_<level>`) against the same cells of the grid:
-collapse counts (Fisher's exact test), the warm start's held-out explained variance before and
-after its fit, and the mean over training steps of `critic/vf_explained_var`.
-
-`python -m analysis.frontier --parquet DIR [--parquet DIR2 …] --out DIR` writes cells.csv,
-pairwise.csv and fig_frontier (PNG, PDF) for the levels found (`--level-prefix`, default
-`frontier_`), critic.csv when critic warm-start experiments (`critic_ws_<level>`) are there, and
-the early warning over every run of the levels (`analysis.warning`, default alarm rule):
-warning.csv, warning_runs.csv, fig_early_warning and warning_thresholds.csv (the table at each
-threshold of `--thresholds`); with `--warning-min-onset N` also both tables without the collapsed
-runs whose onset is before step N (they cannot be warned: the alarm needs its baseline first).
+`python -m analysis.frontier (--parquet DIR … | --experiment NAME … [--tracking-uri URI])
+[--axis level|lag|both] --out DIR` writes cells.csv, pairwise.csv, contrasts.csv and
+fig_frontier (PNG, PDF; along both one panel per level) for the levels found (`--level-prefix`,
+default `frontier_`) or the lags, critic.csv when warm-started critics are there (experiments
+`critic_ws_<level>`, or the param), and the early warning over every run of the frontier
+(`analysis.warning`, default alarm rule): warning.csv, warning_runs.csv, fig_early_warning and
+warning_thresholds.csv (the table at each threshold of `--thresholds`), along the lag also
+warning_by_<axis>.csv (the table at each x); with `--warning-min-onset N` also both tables
+without the collapsed runs whose onset is before step N (they cannot be warned: the alarm
+needs its baseline first).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 from typing import Sequence
@@ -46,15 +50,17 @@ import pandas as pd
 import scipy.stats as sps
 from matplotlib.figure import Figure
 
-from .collapse import collapse_table
-from .figures import PRESET_ORDER, preset_color, preset_marker
-from .load import Study
-from .stats import bootstrap_mean_ci, welch_test
-from .store import AnalysisError
-from stppo import metric_names as T
+from stppo.tracker import resolve_uri
 
-from .tables import per_run_table, per_run_value
-from .warning import early_warning, fig_early_warning, run_statistics, threshold_sweep
+from .axes import AXES, as_tuple, axis_columns, axis_names, base_preset, lag_label, lag_order, with_axes
+from .collapse import collapse_table
+from .critic import critic_table, critic_table_by
+from .figures import fig_frontier, fig_frontier_grid
+from .load import Study, load_study
+from .stats import bootstrap_mean_ci, finite_mean, welch_test
+from .store import AnalysisError
+from .tables import per_run_table
+from .warning import early_warning, fig_early_warning, run_statistics, threshold_sweep, warning_table
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -110,30 +116,26 @@ def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]
     return out
 
 
-def _finite_mean(values) -> float:
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    return float(x.mean()) if x.size else float("nan")
-
-
-def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
-    """One row per (experiment = level, algo) of a per-run table (`per_run_table`)."""
+def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:
+    """One row per (x, algo) of a per-run table (`per_run_table`; x the columns of an axis of
+    `analysis.axes.AXES`: by default the experiment = level)."""
     rows = []
-    for (level, algo), grp in runs.groupby(["experiment", "algo"], sort=True):
+    for key, grp in runs.groupby([*x, "algo"], sort=True):
+        *xs, algo = as_tuple(key)
         k, n = int(grp["collapsed"].sum()), len(grp)
         low, high = wilson_interval(k, n, confidence)
         s_low, s_high = bootstrap_mean_ci(grp["final_success"], confidence=confidence)
         g_low, g_high = bootstrap_mean_ci(grp["peak_grad_norm"], confidence=confidence)
         onset = grp.loc[grp["collapsed"], "collapse_step"]
-        rows.append({"level": level, "algo": algo, "runs": n, "collapsed": k, "collapse_p": k / n,
+        rows.append({**dict(zip(axis_names(x), xs)), "algo": algo, "runs": n, "collapsed": k, "collapse_p": k / n,
                      "collapse_p_low": low, "collapse_p_high": high,
                      "median_onset": float(onset.median()) if len(onset) else np.nan,
-                     "final_success": _finite_mean(grp["final_success"]),
+                     "final_success": finite_mean(grp["final_success"]),
                      "final_success_low": s_low, "final_success_high": s_high,
-                     "peak_grad_norm": _finite_mean(grp["peak_grad_norm"]),
+                     "peak_grad_norm": finite_mean(grp["peak_grad_norm"]),
                      "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high,
-                     "mean_clipfrac": _finite_mean(grp["mean_clipfrac"]),
-                     "mean_ppo_kl": _finite_mean(grp["mean_ppo_kl"])})
+                     "mean_clipfrac": finite_mean(grp["mean_clipfrac"]),
+                     "mean_ppo_kl": finite_mean(grp["mean_ppo_kl"])})
     return pd.DataFrame(rows)
 
 
@@ -144,25 +146,27 @@ def _two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
     w = welch_test(a["final_success"], b["final_success"])
     return {"collapsed_a": f"{ka}/{len(a)}", "collapsed_b": f"{kb}/{len(b)}",
             "fisher_p": float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]),
-            "success_a": _finite_mean(a["final_success"]), "success_b": _finite_mean(b["final_success"]),
+            "success_a": finite_mean(a["final_success"]), "success_b": finite_mean(b["final_success"]),
             "welch_t": w["t"], "welch_p": w["p"]}
 
 
-def pairwise_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Every pair of presets within each level: Fisher's exact test on the collapse counts and
-    Welch's t-test on final success, with Holm-adjusted p-values per (level, test) family."""
-    rows = []
-    for level, grp in runs.groupby("experiment", sort=True):
+def pairwise_table(runs: pd.DataFrame, *, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:
+    """Every pair of presets within each x (by default each level): Fisher's exact test on the
+    collapse counts and Welch's t-test on final success, with Holm-adjusted p-values per (x, test)
+    family."""
+    rows, names = [], axis_names(x)
+    for key, grp in runs.groupby(list(x), sort=True):
+        at = dict(zip(names, as_tuple(key)))
         by = {a: g for a, g in grp.groupby("algo", sort=True)}
         for a, b in combinations(sorted(by), 2):
-            rows.append({"level": level, "a": a, "b": b, **_two_group_tests(by[a], by[b])})
+            rows.append({**at, "a": a, "b": b, **_two_group_tests(by[a], by[b])})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
     for test in ("fisher", "welch"):
         out[f"{test}_p_holm"] = np.nan
-        for level, idx in out.groupby("level").groups.items():
-            out.loc[idx, f"{test}_p_holm"] = holm(out.loc[idx, f"{test}_p"].to_numpy())
+        for _, family in out.groupby(names, sort=False):
+            out.loc[family.index, f"{test}_p_holm"] = holm(family[f"{test}_p"].to_numpy())
     return out
 
 
@@ -176,18 +180,29 @@ CONTRASTS = {
 }
 
 
-def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str], Sequence[str]]] | None = None
-                   ) -> pd.DataFrame:
-    """Per (level, contrast): the pooled collapse counts of the two preset groups, Fisher's exact
+def correction_contrasts(presets: Sequence[str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """`preset vs preset+correction` for every corrected preset label whose preset is there too."""
+    have = set(presets)
+    return {f"{base_preset(p)} vs {p}": ((base_preset(p),), (p,)) for p in sorted(have)
+            if "+" in p and base_preset(p) in have}
+
+
+def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str], Sequence[str]]] | None = None,
+                   *, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:
+    """Per (x, contrast): the pooled collapse counts of the two preset groups, Fisher's exact
     test, the groups' mean final success and Welch's t-test; Holm-adjusted over every row of the
-    table (one family per test)."""
-    rows = []
-    for level, lv in runs.groupby("experiment", sort=True):
-        for name, (ga, gb) in (contrasts or CONTRASTS).items():
+    table (one family per test). Groups name preset labels: a corrected preset
+    (`grpo+decoupled_geo_rs`) is in none of CONTRASTS' groups, and has its own row against its
+    uncorrected preset (`correction_contrasts`) when `contrasts` is not given."""
+    contrasts = contrasts or {**CONTRASTS, **correction_contrasts(runs["algo"].astype(str).unique())}
+    rows, names = [], axis_names(x)
+    for key, lv in runs.groupby(list(x), sort=True):
+        at = dict(zip(names, as_tuple(key)))
+        for name, (ga, gb) in contrasts.items():
             a, b = lv[lv["algo"].isin(ga)], lv[lv["algo"].isin(gb)]
             if a.empty or b.empty:
                 continue
-            rows.append({"level": level, "contrast": name, **_two_group_tests(a, b)})
+            rows.append({**at, "contrast": name, **_two_group_tests(a, b)})
     out = pd.DataFrame(rows)
     if len(out):
         out["fisher_p_holm"] = holm(out["fisher_p"].to_numpy())
@@ -195,63 +210,74 @@ def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str],
     return out
 
 
-def critic_table(study, runs: pd.DataFrame, *, prefix: str = "frontier_",
-                 warm_prefix: str = "critic_ws_") -> pd.DataFrame:
-    """One row per (level, algo) that has warm-started runs: with vs without the critic warm start
-    (module docstring). `runs` is `per_run_table(study)` over both kinds of experiments."""
-    ev_before = per_run_value(study, T.CRITIC_WS_EV_BEFORE, "last")
-    ev_after = per_run_value(study, T.CRITIC_WS_EV_AFTER, "last")
-    ev_train = per_run_value(study, T.VF_EXPLAINED_VAR, "mean")
-    runs = runs.assign(ev_before=runs["run_id"].map(ev_before), ev_after=runs["run_id"].map(ev_after),
-                       ev_train=runs["run_id"].map(ev_train))
-    rows = []
-    warm = runs[runs["experiment"].str.startswith(warm_prefix)]
-    for (exp, algo), w in warm.groupby(["experiment", "algo"], sort=True):
-        level = exp[len(warm_prefix):]
-        base = runs[(runs["experiment"] == prefix + level) & (runs["algo"] == algo)]
-        kw, nw, kb, nb = int(w["collapsed"].sum()), len(w), int(base["collapsed"].sum()), len(base)
-        p = float(sps.fisher_exact([[kw, nw - kw], [kb, nb - kb]])[1]) if nb else float("nan")
-        rows.append({"level": prefix + level, "algo": algo, "collapsed_warm": f"{kw}/{nw}",
-                     "collapsed_cold": f"{kb}/{nb}", "fisher_p": p,
-                     "ws_ev_before": float(np.nanmean(w["ev_before"])),
-                     "ws_ev_after": float(np.nanmean(w["ev_after"])),
-                     "train_ev_warm": float(np.nanmean(w["ev_train"])),
-                     "train_ev_cold": float(np.nanmean(base["ev_train"])) if nb else float("nan"),
-                     "final_success_warm": float(np.nanmean(w["final_success"])),
-                     "final_success_cold": float(np.nanmean(base["final_success"])) if nb else float("nan")})
-    return pd.DataFrame(rows)
+@dataclass
+class Frontier:
+    """The stability frontier of a study along one axis of `analysis.axes.AXES` (`build_frontier`)."""
+    axis: str
+    x: tuple[str, ...]  # the per-run columns that make a cell's x
+    levels: list[str]  # the level experiments (axes level and both)
+    lags: list[int]  # the lags of the cells' runs, ascending
+    runs: pd.DataFrame  # per-run table with the axis columns, the cells' runs only
+    cells: pd.DataFrame
+    pairwise: pd.DataFrame
+    contrasts: pd.DataFrame
+    critic: pd.DataFrame  # warm-started critic against the cold one (empty without warm-started runs)
 
 
-def fig_frontier(cells: pd.DataFrame, levels: Sequence[str], *, labels: dict[str, str] | None = None) -> Figure:
-    """Collapse probability (Wilson 95% bars) against the level, one line per preset."""
-    fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
-    ax = fig.subplots()
-    x = {lv: i for i, lv in enumerate(levels)}
-    rank = {a: i for i, a in enumerate(PRESET_ORDER)}
-    algos = sorted(cells["algo"].unique(), key=lambda a: (rank.get(a, len(rank)), a))
-    offsets = np.linspace(-0.22, 0.22, max(1, len(algos)))
-    for off, algo in zip(offsets, algos):
-        c = cells[cells["algo"] == algo].copy()
-        c = c[c["level"].isin(levels)]
-        c["x"] = c["level"].map(x) + off
-        c = c.sort_values("x")
-        err = np.vstack([c["collapse_p"] - c["collapse_p_low"],
-                         c["collapse_p_high"] - c["collapse_p"]]).clip(min=0.0)  # float noise at 0, 1
-        ax.errorbar(c["x"], c["collapse_p"], yerr=err, marker=preset_marker(algo), ms=5, lw=1.2, capsize=2,
-                    color=preset_color(algo), label=algo)
-    ax.set_xticks(range(len(levels)), [(labels or {}).get(lv, lv) for lv in levels], fontsize=8)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("off-policyness level")
-    ax.set_ylabel("P(collapse)  (Wilson 95%)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="preset", title_fontsize=7)
-    ax.grid(alpha=0.3)
-    return fig
+def build_frontier(study: Study, every: pd.DataFrame | None = None, *, axis: str = "level",
+                   prefix: str = "frontier_") -> Frontier:
+    """Cells, tests and the critic table of `study` along `axis`. `every` is the per-run table
+    with the axis columns (`with_axes(per_run_table(study), study.params)` when None; a filtered
+    one restricts the frontier to its runs). Level and both: the experiments named `prefix`*
+    are the levels; lag and both: runs with a warm-started critic are left out of the cells."""
+    x = axis_columns(axis)
+    every = with_axes(every if every is not None else per_run_table(study), study.params)
+    levels = level_order(every["experiment"].astype(str), prefix) if "experiment" in x else []
+    if "experiment" in x and not levels:
+        raise AnalysisError(f"no experiment named {prefix}* among {', '.join(map(str, study.experiments))}")
+    keep = every["experiment"].isin(levels) if levels else pd.Series(True, index=every.index)
+    runs = every[keep & ~every["critic_warmstart"]] if axis != "level" else every[keep]
+    if runs.empty:
+        raise AnalysisError(f"no runs for the {axis} frontier in {', '.join(map(str, study.experiments))}")
+    if axis == "level":
+        warm = every["experiment"].astype(str).str.startswith("critic_ws_").any()
+        critic = critic_table(study, every, prefix=prefix) if warm else pd.DataFrame()
+    else:
+        mine = every[keep | every["critic_warmstart"]]
+        critic = critic_table_by(study, mine, x=x, prefix=prefix) if mine["critic_warmstart"].any() else pd.DataFrame()
+    return Frontier(axis, x, levels, lag_order(runs["lag"]), runs, cell_table(runs, x=x),
+                    pairwise_table(runs, x=x), contrast_table(runs, x=x), critic)
 
 
-def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Path, thresholds: str,
+def frontier_figure(front: Frontier, study: Study) -> Figure:
+    """fig_frontier over the levels or the lags, or fig_frontier_grid (level × lag)."""
+    if front.axis == "lag":
+        return fig_frontier(front.cells, front.lags, x="lag", labels={k: lag_label(k) for k in front.lags},
+                            xlabel="lag k: the batch of step t was sampled by the policy after step t − k")
+    labels = level_labels(study.runs, study.params, front.levels)
+    if front.axis == "both":
+        return fig_frontier_grid(front.cells, front.levels, front.lags, labels=labels)
+    return fig_frontier(front.cells, front.levels, labels=labels)
+
+
+def warning_by(per_run: pd.DataFrame, runs: pd.DataFrame, x: Sequence[str]) -> pd.DataFrame:
+    """`warning_table` at each x of the cells' `runs` (per lag: does an indicator warn as well at
+    every staleness?), x columns first; `per_run` is `run_warnings` of those runs."""
+    tables = []
+    for key, ids in runs.groupby(list(x), sort=True)["run_id"]:
+        table = warning_table(per_run[per_run["run_id"].isin(set(ids.astype(str)))], all_runs=len(ids))
+        for name, value in reversed(list(zip(axis_names(x), as_tuple(key)))):
+            table.insert(0, name, value)
+        tables.append(table)
+    return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+
+
+def _write_warning(study, collapse: pd.DataFrame, front: Frontier, out: Path, thresholds: str,
                    min_onset: int = 0) -> None:
-    """The early-warning table over every run of the levels (default alarm rule), its per-run
-    rows and figure, and the table at each threshold of `thresholds` (warning_thresholds.csv).
+    """The early-warning table over every run of the frontier (default alarm rule), its per-run
+    rows and figure, and the table at each threshold of `thresholds` (warning_thresholds.csv);
+    along the lag (and level × lag) also the table at each x (warning_by_<axis>.csv), and the
+    per-run rows carry the lag, its mode and the correction.
     With `min_onset` > 0 the same two tables again without the collapsed runs whose onset comes
     before step `min_onset` (`warning_onset_ge<N>*.csv`): an alarm needs its baseline and its
     streak first, so those runs cannot be warned by construction."""
@@ -261,11 +287,15 @@ def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Pa
         raise AnalysisError(f"--thresholds must be comma-separated numbers, got {thresholds!r}") from None
     if not hs or min(hs) <= 0:
         raise AnalysisError(f"--thresholds must be positive numbers, got {thresholds!r}")
-    ids = set(study.runs.loc[study.runs["experiment"].isin(levels), "run_id"].astype(str))
-    sub, col = _subset(study, collapse, ids, levels)
+    ids = set(front.runs["run_id"].astype(str))
+    sub, col = _subset(study, collapse, ids)
     stats = run_statistics(sub)  # the alarm statistics of every run, shared by the tables below
     table, per_run = early_warning(sub, collapse=col, stats=stats)
     table.to_csv(out / "warning.csv", index=False)
+    if front.axis != "level":
+        warning_by(per_run, front.runs, front.x).to_csv(out / f"warning_by_{front.axis}.csv", index=False)
+        per_run = per_run.merge(front.runs[["run_id", "lag", "lag_mode", "correction"]].astype({"run_id": str}),
+                                on="run_id", how="left")
     per_run.to_csv(out / "warning_runs.csv", index=False)
     fig = fig_early_warning(table, per_run)
     for ext in ("png", "pdf"):
@@ -274,26 +304,43 @@ def _write_warning(study, collapse: pd.DataFrame, levels: Sequence[str], out: Pa
     if min_onset > 0:
         early = col["collapsed"].astype(bool) & (col["collapse_step"].astype(float) < min_onset)
         keep = ids - set(col.loc[early, "run_id"].astype(str))
-        sub, col = _subset(study, collapse, keep, levels)
+        sub, col = _subset(study, collapse, keep)
         kept = stats[stats["run_id"].isin(keep)]
         early_warning(sub, collapse=col, stats=kept)[0].to_csv(out / f"warning_onset_ge{min_onset}.csv", index=False)
         threshold_sweep(sub, hs, collapse=col, stats=kept).to_csv(
             out / f"warning_onset_ge{min_onset}_thresholds.csv", index=False)
 
 
-def _subset(study, collapse: pd.DataFrame, ids: set[str], levels: Sequence[str]) -> tuple[Study, pd.DataFrame]:
+def _subset(study, collapse: pd.DataFrame, ids: set[str]) -> tuple[Study, pd.DataFrame]:
     def mine(frame: pd.DataFrame) -> pd.DataFrame:
         return frame[frame["run_id"].astype(str).isin(ids)]
 
-    return (Study(study.uri, tuple(levels), mine(study.runs), mine(study.metrics), mine(study.params)),
-            mine(collapse))
+    runs = mine(study.runs)
+    names = tuple(dict.fromkeys(runs["experiment"].astype(str)))
+    return Study(study.uri, names, runs, mine(study.metrics), mine(study.params)), mine(collapse)
+
+
+def _load(a) -> Study:
+    """The study of the command line: exported folders (only the `--experiment`s when given too),
+    else the experiments from the tracking store."""
+    if a.parquet:
+        from .export import load_exported
+
+        return load_exported(a.parquet, a.experiment)
+    return load_study(a.experiment, resolve_uri(a.tracking_uri))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.frontier", description=__doc__.splitlines()[0])
-    p.add_argument("--parquet", action="append", required=True, type=Path,
+    p.add_argument("--parquet", action="append", type=Path,
                    help="a folder written by `python -m analysis.export` (repeatable)")
+    p.add_argument("--experiment", action="append",
+                   help="an MLflow experiment (repeatable): read from --tracking-uri, or kept from --parquet")
+    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--axis", choices=tuple(AXES), default="level",
+                   help="the frontier's x: level (the experiments named --level-prefix*, default), lag (the runs' "
+                        "trainer.offpolicy.lag, cells per lag mode), or both (one panel per level, lag across)")
     p.add_argument("--level-prefix", default="frontier_")
     p.add_argument("--thresholds", default="2,3,4,6,8",
                    help="alarm thresholds h of warning_thresholds.csv (comma-separated; default 2,3,4,6,8)")
@@ -301,33 +348,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warning-min-onset", type=int, default=0,
                    help="also write the warning tables without collapsed runs whose onset is before this step")
     a = p.parse_args(argv)
-    from .export import load_exported
-
+    if not a.parquet and not a.experiment:
+        p.error("give the study: --parquet DIR (exported) or --experiment NAME (from the tracking store)")
     try:
-        study = load_exported(a.parquet)
-        levels = level_order(study.experiments, a.level_prefix)
-        if not levels:
-            raise AnalysisError(f"no experiment named {a.level_prefix}* in {', '.join(map(str, a.parquet))}")
+        study = _load(a)
         collapse = collapse_table(study)
-        every = per_run_table(study, collapse)
-        runs = every[every["experiment"].isin(levels)]
+        front = build_frontier(study, per_run_table(study, collapse), axis=a.axis, prefix=a.level_prefix)
         a.out.mkdir(parents=True, exist_ok=True)
-        if every["experiment"].str.startswith("critic_ws_").any():
-            critic_table(study, every, prefix=a.level_prefix).to_csv(a.out / "critic.csv", index=False)
-        cells = cell_table(runs)
-        cells.to_csv(a.out / "cells.csv", index=False)
-        pairwise_table(runs).to_csv(a.out / "pairwise.csv", index=False)
-        contrast_table(runs).to_csv(a.out / "contrasts.csv", index=False)
-        fig = fig_frontier(cells, levels, labels=level_labels(study.runs, study.params, levels))
+        if len(front.critic):
+            front.critic.to_csv(a.out / "critic.csv", index=False)
+        front.cells.to_csv(a.out / "cells.csv", index=False)
+        front.pairwise.to_csv(a.out / "pairwise.csv", index=False)
+        front.contrasts.to_csv(a.out / "contrasts.csv", index=False)
+        fig = frontier_figure(front, study)
         for ext in ("png", "pdf"):
             fig.savefig(a.out / f"fig_frontier.{ext}", dpi=120)
         if not a.no_warning:
-            _write_warning(study, collapse, levels, a.out, a.thresholds, a.warning_min_onset)
+            _write_warning(study, collapse, front, a.out, a.thresholds, a.warning_min_onset)
     except AnalysisError as e:
         print(f"analysis.frontier: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote cells.csv, pairwise.csv, fig_frontier.png/pdf{'' if a.no_warning else ', warning*'} to {a.out} ({len(runs)} runs, "
-          f"{len(levels)} levels)")
+    where = {"level": f"{len(front.levels)} levels", "lag": f"lags {', '.join(map(str, front.lags))}",
+             "both": f"{len(front.levels)} levels × lags {', '.join(map(str, front.lags))}"}[a.axis]
+    print(f"wrote cells.csv, pairwise.csv, fig_frontier.png/pdf{'' if a.no_warning else ', warning*'} to {a.out} "
+          f"({len(front.runs)} runs, {where})")
     return 0
 
 

@@ -229,3 +229,9 @@ def fit_exponential(steps: Sequence[float], values: Sequence[float]) -> dict[str
 def _finite(values: Sequence[float]) -> np.ndarray:
     x = np.asarray(values, dtype=np.float64)
     return x[np.isfinite(x)]
+
+
+def finite_mean(values: Sequence[float]) -> float:
+    """The mean of the finite values (NaN when there is none)."""
+    x = _finite(values)
+    return float(x.mean()) if x.size else float("nan")

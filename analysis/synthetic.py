@@ -9,7 +9,7 @@ exactly as the trainer logs them.
 With `diagnostics=True` a run also logs the workbench's diagnostics (docs/design.md §4) with leading
 signals of different quality: `env/zero_std_group_frac` rises from 8 steps before the collapse,
 `actor/entropy` falls from 6 steps before, `rollout_corr/*` and the response length move only after
-it; per-turn metrics for 3 turns; `alarm/<indicator>` flags from `stppo.alarms.AlarmSet` as the
+it; per-turn metrics for 3 turns (with the per-turn sampler/trainer KL `turn/k{k}/rollout_kl`); `alarm/<indicator>` flags from `stppo.alarms.AlarmSet` as the
 trainer logs them; and `write_demo_study` writes sampled trajectories as table artifacts
 (`samples/step_*.json`, see `synthetic_samples`). `write_signal_study` writes runs with one known
 leading signal (the clip fraction jumps `lead` steps before the collapse) for the early-warning tests.
@@ -27,6 +27,8 @@ import numpy as np
 from stppo import metric_names as T
 from stppo.alarms import AlarmSet
 from stppo.diagnostics import CollapseDetector
+
+from .figures import TURN_MISMATCH
 
 Series = Mapping[str, Sequence[tuple[int, float]]]
 
@@ -124,8 +126,16 @@ def _diagnostics(s: np.ndarray, c: float, near: np.ndarray, rng, turns: int = 3)
                 T.turn_key(k, "adv_mean"): rng.normal(0, 0.05, s.size) - 0.3 * after,
                 T.turn_key(k, "ppo_kl"): (0.002 + 0.02 * near) * (1 + k),
                 T.turn_key(k, "entropy"): entropy * (1 - 0.1 * k),
-                T.turn_key(k, "tokens"): np.round(20 - 3 * k + 10 * after * k)}
+                T.turn_key(k, "tokens"): np.round(20 - 3 * k + 10 * after * k),
+                # the per-turn sampler/trainer KL (`turn/k{k}/rollout_kl`), the last turn moving most
+                turn_metric(k, TURN_MISMATCH): mismatch * (1 + 4 * after * k / turns)}
     return {key: _pts(s, v) for key, v in out.items()}
+
+
+def turn_metric(k: int, name: str) -> str:
+    """`turn/k{k}/{name}`, spelled as `stppo.metric_names.turn_key` spells it (which accepts only
+    the names of TURN_METRICS; `rollout_kl` joins them with the stale-rollout metrics)."""
+    return T.turn_key(k, name) if name in T.TURN_METRICS else f"{T.TURN_PREFIX}{int(k)}/{name}"
 
 
 def alarm_flags(series: Series) -> dict[str, list[tuple[int, float]]]:

@@ -14,6 +14,7 @@ import streamlit as st
 
 import analysis
 from analysis import samples as S
+from analysis.axes import split_label, varies, with_axes
 from analysis.store import AnalysisError, EmptyExperimentError
 from analysis.summary import fmt_number
 from analysis.sweeps import DEFAULT_STORAGE
@@ -39,10 +40,11 @@ def study(uri: str, names: tuple[str, ...]) -> analysis.Study:
 
 @st.cache_data(ttl=30, max_entries=8, show_spinner=False)
 def run_tables(uri: str, names: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(per-run table, collapse table) of a study."""
+    """(per-run table with the study's axes — lag, lag mode, rollout correction; `algo` the preset
+    label, `grpo+decoupled_geo_rs` for a corrected run —, collapse table) of a study."""
     s = study(uri, names)
     collapse = analysis.collapse_table(s)
-    return analysis.per_run_table(s, collapse), collapse
+    return with_axes(analysis.per_run_table(s, collapse), s.params), collapse
 
 
 @st.cache_data(ttl=30, max_entries=8, show_spinner="Computing the alarm statistics…")
@@ -129,14 +131,26 @@ def run_label(row: pd.Series) -> str:
     return f"{row['algo']} · {row['model']} · seed {row['seed']}{name}{tail}"
 
 
+def _fresh(widget: str, options: list) -> str:
+    """The key of a multiselect whose default is all its options: when the options change (other
+    experiments chosen) its last choice is dropped, so new values are not hidden by an old filter."""
+    if st.session_state.get(f"{widget}::options") != options:
+        st.session_state[f"{widget}::options"] = options
+        st.session_state.pop(widget, None)
+    return widget
+
+
 def filters(runs: pd.DataFrame, *, key: str, columns: tuple[str, ...] = ("algo", "model", "seed")) -> pd.DataFrame:
-    """Multiselects for preset/model/seed (all selected by default); returns the kept rows."""
-    labels = {"algo": "Preset", "model": "Model", "seed": "Seed", "task": "Task"}
+    """Multiselects for preset/model/seed (all selected by default), and lag / lag mode where they
+    vary; returns the kept rows."""
+    labels = {"algo": "Preset", "model": "Model", "seed": "Seed", "task": "Task", "lag": "Lag", "lag_mode": "Lag mode"}
+    columns = (*columns, *(c for c in ("lag", "lag_mode") if varies(runs, c)))
     cols = st.columns(len(columns))
     keep = pd.Series(True, index=runs.index)
     for col, name in zip(cols, columns):
         options = list(dict.fromkeys(runs[name].astype(str)))
-        chosen = col.multiselect(labels.get(name, name), options, default=options, key=f"{key}:{name}")
+        options = sorted(options, key=int) if name == "lag" else options
+        chosen = col.multiselect(labels.get(name, name), options, default=options, key=_fresh(f"{key}:{name}", options))
         keep &= runs[name].astype(str).isin(chosen)
     return runs[keep]
 
@@ -154,6 +168,28 @@ def page_runs(key: str, columns: tuple[str, ...] = ("algo", "model", "seed"),
         st.info("No run matches the filters.")
         st.stop()
     return study, runs, collapse, kept
+
+
+SPLITS = {"experiment": "level (experiment)", "lag": "lag", "lag_mode": "lag mode"}
+
+
+def split_by(runs: pd.DataFrame, key: str) -> tuple[str, ...]:
+    """A multiselect of the study's axes that vary among `runs` (level = experiment, lag, lag
+    mode; all chosen by default): the columns a page splits its presets by. Nothing to choose,
+    nothing shown."""
+    options = [c for c in SPLITS if varies(runs, c)]
+    if not options:
+        return ()
+    return tuple(st.multiselect("Split presets by", options, default=options, format_func=SPLITS.get,
+                                key=_fresh(f"{key}:split", options)))
+
+
+def series_metrics(metrics: pd.DataFrame, runs: pd.DataFrame, split: tuple[str, ...]) -> pd.DataFrame:
+    """The metrics of `runs` with `algo` set to each run's preset label and the values of `split`
+    that vary (`ppo · lag 2`): one curve per label in the band charts."""
+    labels = dict(zip(runs["run_id"].astype(str), split_label(runs, split)))
+    mine = metrics[metrics["run_id"].isin(list(labels))]
+    return mine.assign(algo=mine["run_id"].astype(str).map(labels).astype("category"))
 
 
 def plural(n: int, word: str) -> str:

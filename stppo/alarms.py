@@ -101,6 +101,14 @@ for _ind in (
               doc="share of groups whose rewards all agree"),
     Indicator("explained_var_drop", (T.VF_EXPLAINED_VAR,), "down", "level", 0.05,
               doc="critic explained variance falls"),
+    # sampler vs trainer and stale rollouts (docs/design.md §4): χ² = E[w²] − 1 of w = π_old / π_rollout is
+    # 0 on-policy, so ε = 1e-3 keeps float noise below it flat in log units; verl warns at χ² > 1
+    Indicator("rollout_chi2", (T.ROLLOUT_CORR_CHI2_TOKEN, T.ROLLOUT_CORR_CHI2_SEQ), "up", "log", 0.2, 1e-3,
+              doc="χ² divergence of the trainer's π_old from the sampler's π_rollout"),
+    Indicator("offpolicy_kl", (T.OFFPOLICY_KL_TO_CURRENT,), "up", "log", 0.2, 1e-4,
+              doc="KL of the stale sampling policy to the current one (trainer.offpolicy)"),
+    Indicator("rollout_is_ess_drop", (T.ROLLOUT_IS_ESS,), "down", "level", 0.05,
+              doc="effective sample size of the truncated IS weights falls (verl warns below 0.3)"),
 ):
     register_indicator(_ind)
 

@@ -15,11 +15,12 @@ import torch
 
 PER_TOKEN = (
     "input_ids", "attention_mask", "loss_mask", "turn_ids", "rollout_log_probs",
-    "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns", "segment_ids",
+    "stale_log_probs", "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns",
+    "rollout_is_weights", "segment_ids",
 )
 PER_TRAJECTORY = (
     "group_ids", "scores", "num_turns", "num_searches", "num_valid", "num_invalid",
-    "finished", "truncated", "response_length",
+    "finished", "truncated", "response_length", "rollout_lags",
 )
 
 
@@ -38,6 +39,9 @@ class Batch:
     rewards: Optional[torch.Tensor] = None  # (N, T) float — outcome at last agent token (+KL)
     advantages: Optional[torch.Tensor] = None  # (N, T) float
     returns: Optional[torch.Tensor] = None  # (N, T) float
+    # (N, T) float — the decoupled rollout correction's IS weights ω (detached; set with the
+    # old log-probs, stppo.train.rollout_corr), or None
+    rollout_is_weights: Optional[torch.Tensor] = None
     segment_ids: Optional[torch.Tensor] = None  # (N, T) long — subsentence of agent tokens (SSPO)
     num_turns: Optional[torch.Tensor] = None  # (N,) long — generation calls made
     num_searches: Optional[torch.Tensor] = None  # (N,) long
@@ -46,6 +50,11 @@ class Batch:
     finished: Optional[torch.Tensor] = None  # (N,) bool — ended with an <answer>
     truncated: Optional[torch.Tensor] = None  # (N,) bool — hit the total-length limit
     response_length: Optional[torch.Tensor] = None  # (N,) long — agent tokens
+    # Stale rollouts (trainer.offpolicy.lag > 0; docs/design.md §8), else None:
+    rollout_lags: Optional[torch.Tensor] = None  # (N,) long — updates between sampler and π_old
+    # (N, T) float — log π of the policy that sampled the row, by the trainer's forward (rows of
+    # lag 0: zeros — their sampler is π_old)
+    stale_log_probs: Optional[torch.Tensor] = None
     meta: dict = field(default_factory=dict)  # non-tensor extras (question ids, answers, …)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ Torch-free: importing this module is cheap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,11 +61,17 @@ class KLConfig:
 
 
 @dataclass
-class RolloutISConfig:
-    """Truncated importance sampling between the sampler's and the trainer's log-probs (verl's
-    algorithm.rollout_correction: rollout_is, rollout_is_threshold); usable with any preset."""
-    kind: str = "none"  # none | token
-    threshold: float = 2.0  # C: ω = min(π_old / π_rollout, C)
+class RolloutCorrectionOptions:
+    """The arguments of verl's `RolloutCorrectionConfig` classmethod that `algo.rollout_correction`
+    names (docs/design.md §2, "Rollout correction"); null: the classmethod's default. At start the
+    name's arguments are filled with the values that ran; one it does not take must stay null."""
+    threshold: Optional[float] = None  # IS weights' C (…_is, bypass_pg_is), IcePop's upper bound
+    threshold_lower: Optional[float] = None  # IcePop's lower bound (…_icepop)
+    is_threshold: Optional[float] = None  # IS weights' C beside rejection (…_rs_*_tis, seq_is_rs)
+    # rejection: a number, or 'lower_upper' for the k1 (geo, seq_is_rs) options — write both bounds
+    # with a decimal point or quote it: Hydra reads 0.5_2 as the number 0.52
+    rs_threshold: Any = None
+    batch_normalize: Optional[bool] = None  # IS weights / their batch mean (names with IS weights)
 
 
 @dataclass
@@ -122,7 +128,11 @@ class AlgoConfig:
     vf_clip: float = 0.5
     loss_mode: Optional[str] = None  # stppo.algos.LOSS_MODES
     loss_options: dict[str, float] = field(default_factory=dict)  # over the preset's (mode's) options
-    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    # The sampler/trainer mismatch correction, with any preset: none (metrics only) or a verl
+    # RolloutCorrectionConfig preset (stppo.algos.rollout_corr.ROLLOUT_CORRECTIONS), its arguments
+    # in rollout_correction_options.
+    rollout_correction: str = "none"
+    rollout_correction_options: RolloutCorrectionOptions = field(default_factory=RolloutCorrectionOptions)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     # the characters whose tokens end a subsentence (loss modes that read subsentences: sspo)
@@ -130,7 +140,8 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         for sub, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
-                         ("rollout_is", RolloutISConfig), ("dynamic_sampling", DynamicSamplingConfig),
+                         ("dynamic_sampling", DynamicSamplingConfig),
+                         ("rollout_correction_options", RolloutCorrectionOptions),
                          ("overlong", OverlongConfig)):
             if isinstance(getattr(self, sub), dict):
                 setattr(self, sub, cls(**getattr(self, sub)))
@@ -150,7 +161,7 @@ class AlgoConfig:
 def resolve_loss(a: AlgoConfig):
     """Fill the null loss fields of `a` from its preset (the config then records the values
     that ran) and build its `LossSpec` — the one place a loss setting is validated."""
-    from stppo.algos import PRESETS, Correction, LossSpec, RolloutIS
+    from stppo.algos import PRESETS, Correction, LossSpec, RolloutCorrection
     from stppo.algos.plugins import register_stabiliser
 
     if a.loss is not None:  # a researcher's preset: its file holds every field it fixes
@@ -190,9 +201,12 @@ def resolve_loss(a: AlgoConfig):
     spec = LossSpec(name=a.name, ratio_level=a.ratio_level, clip_low=a.clip_low,
                     clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
                     correction=correction, loss_mode=a.loss_mode, options=a.loss_options,
-                    rollout_is=RolloutIS(a.rollout_is.kind, a.rollout_is.threshold),
+                    rollout_correction=RolloutCorrection(a.rollout_correction, {
+                        k: v for k, v in asdict(a.rollout_correction_options).items() if v is not None}),
                     advantage=a.advantage, use_critic=a.use_critic)
     a.loss_options = dict(spec.options)
+    for k, v in spec.rollout_correction.options.items():  # the values that ran
+        setattr(a.rollout_correction_options, k, v)
     return spec
 
 
@@ -306,6 +320,25 @@ class CriticWarmStartConfig:
                "trainer.critic_warmstart: questions >= 5, steps >= 1, batch_size >= 1, lr > 0")
 
 
+OFFPOLICY_LAG_MODES = ("fixed", "uniform")
+
+
+@dataclass
+class OffPolicyConfig:
+    """Stale rollouts (stppo.train.offpolicy, docs/design.md §8): the batch trained at step t is
+    sampled by the policy as it was `lag` updates earlier — after step t − 1 − lag, the start for
+    the first steps — as an asynchronous pipeline would; π_old stays the current policy.
+    `fixed`: every group has that lag; `uniform`: each group draws its own from 0 … lag
+    (seeded by (seed, step)), as a pipeline mixes ages. 0 = on-policy (the default)."""
+    lag: int = 0
+    lag_mode: str = "fixed"  # fixed | uniform
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.lag, int) and self.lag >= 0,
+               f"trainer.offpolicy.lag must be an integer >= 0, got {self.lag!r}")
+        _one_of("trainer.offpolicy.lag_mode", self.lag_mode, OFFPOLICY_LAG_MODES)
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 40
@@ -336,6 +369,7 @@ class TrainerConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     critic_warmstart: CriticWarmStartConfig = field(default_factory=CriticWarmStartConfig)
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
     # Early warning (stppo.alarms): the online alarms watched every step, and what an alarm does:
     # none (log `alarm/<indicator>` only), stop (end the run after a last validation), rollback
@@ -351,6 +385,8 @@ class TrainerConfig:
             self.collapse = CollapseConfig(**self.collapse)
         if isinstance(self.alarm, dict):
             self.alarm = AlarmConfig(**self.alarm)
+        if isinstance(self.offpolicy, dict):
+            self.offpolicy = OffPolicyConfig(**self.offpolicy)
         _one_of("trainer.on_alarm", self.on_alarm, ("none", "stop", "rollback"))
         _check(0.0 < self.rollback_lr_factor <= 1.0,
                f"trainer.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
@@ -413,6 +449,9 @@ class BackendConfig:
     n_gpus_per_node: int = 8
     rollout_engine: str = "vllm"  # vllm | sglang
     rollout_tp: int = 1  # tensor parallel size of the rollout engine
+    # trainer.offpolicy.lag > 0: verl's off-policy trainers run the rollout on GPUs of its own;
+    # this many of each node's n_gpus_per_node (the rest train). null: half of them.
+    rollout_gpus_per_node: Optional[int] = None
     gpu_memory_utilization: float = 0.5  # the rollout engine's share of GPU memory
     micro_batch_size_per_gpu: int = 8  # forward/backward micro-batch (trajectories per GPU)
     # tokens of verl's initial prompt (data.max_prompt_length); the response gets
@@ -431,6 +470,10 @@ class BackendConfig:
                f"backend.nnodes and backend.n_gpus_per_node must be >= 1, got {self.nnodes}, {self.n_gpus_per_node}")
         _check(self.rollout_tp >= 1 and self.n_gpus_per_node % self.rollout_tp == 0,
                f"backend.rollout_tp={self.rollout_tp} must divide backend.n_gpus_per_node={self.n_gpus_per_node}")
+        _check(self.rollout_gpus_per_node is None
+               or 1 <= self.rollout_gpus_per_node < self.n_gpus_per_node,
+               f"backend.rollout_gpus_per_node={self.rollout_gpus_per_node} must be null or in [1, "
+               f"backend.n_gpus_per_node={self.n_gpus_per_node}) (the rest train)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.micro_batch_size_per_gpu >= 1, "backend.micro_batch_size_per_gpu must be >= 1")

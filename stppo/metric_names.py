@@ -95,9 +95,11 @@ ALL_ZERO_GROUP_FRAC = "env/all_zero_group_frac"
 ALL_ONE_GROUP_FRAC = "env/all_one_group_frac"
 
 # --- sampler vs trainer log-probs (verl's rollout_corr names; abs_diff_* are stppo's) -----------
-# Logged every step from the rollout's sampling log-probs and the recomputed old log-probs; the
-# token IS weights ω = min(exp(log p_old − log p_rollout), C) (stppo.algos.rollout_is, the TIS
-# correction's weights) give the rollout_is_* statistics whether or not TIS is applied.
+# Logged every step from the rollout's sampling log-probs and the trainer's (π_old; π_θ in bypass
+# mode) by stppo.algos.breakdown.sampler_mismatch, and by the run's rollout correction
+# (algo.rollout_correction, stppo.algos.rollout_corr): the rollout_is_* statistics of its IS
+# weights — or, when it applies none, of the token IS weights min(π_old / π_rollout, 2) as a
+# diagnostic — and the rollout_rs_* statistics of its rejection sampling.
 ROLLOUT_CORR_KL = "rollout_corr/kl"  # mean (log p_rollout - log p_old)
 ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
 ROLLOUT_CORR_LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
@@ -108,6 +110,30 @@ ROLLOUT_IS_MAX = "rollout_corr/rollout_is_max"
 ROLLOUT_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
 ROLLOUT_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
 ROLLOUT_IS_FRACTION_LOW = "rollout_corr/rollout_is_ratio_fraction_low"
+# the rest of verl's compute_is_metrics (rollout_corr_helper): the weights' min and std, the
+# per-sequence mean weights' statistics, IcePop's out-of-bounds share, the batch normaliser
+ROLLOUT_IS_MIN = "rollout_corr/rollout_is_min"
+ROLLOUT_IS_STD = "rollout_corr/rollout_is_std"
+ROLLOUT_IS_SEQ_MEAN = "rollout_corr/rollout_is_seq_mean"
+ROLLOUT_IS_SEQ_STD = "rollout_corr/rollout_is_seq_std"
+ROLLOUT_IS_SEQ_MAX = "rollout_corr/rollout_is_seq_max"
+ROLLOUT_IS_SEQ_MIN = "rollout_corr/rollout_is_seq_min"
+ROLLOUT_IS_SEQ_MAX_DEVIATION = "rollout_corr/rollout_is_seq_max_deviation"
+ROLLOUT_IS_SEQ_FRACTION_HIGH = "rollout_corr/rollout_is_seq_fraction_high"
+ROLLOUT_IS_SEQ_FRACTION_LOW = "rollout_corr/rollout_is_seq_fraction_low"
+ROLLOUT_IS_OOB_RATIO = "rollout_corr/rollout_is_oob_ratio"  # IcePop: share of weights zeroed
+ROLLOUT_IS_BATCH_NORM_FACTOR = "rollout_corr/rollout_is_batch_norm_factor"
+# rejection sampling (verl's compute_rollout_rejection_mask): the share of agent tokens / of
+# trajectories the combined mask rejects; per option `rollout_rs_key(option, stat)`
+ROLLOUT_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+ROLLOUT_RS_SEQ_MASKED_FRACTION = "rollout_corr/rollout_rs_seq_masked_fraction"
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2",
+                                       "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+                                       "seq_max_k2", "seq_max_k3")
+ROLLOUT_RS_STATS: tuple[str, ...] = ("mean", "max", "min", "fraction_high", "fraction_low", "std",
+                                     "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
+                                     "seq_fraction_high", "seq_fraction_low", "masked_fraction",
+                                     "seq_masked_fraction")
 # verl's compute_offpolicy_metrics (rollout_corr_helper): perplexities of the trainer's π_old and
 # the sampler on agent tokens, their ratio, and χ² divergences of the ratio π_old / π_rollout.
 ROLLOUT_CORR_TRAINING_PPL = "rollout_corr/training_ppl"
@@ -131,8 +157,10 @@ OFFPOLICY_KL_TO_CURRENT = "offpolicy/kl_to_current"
 
 # --- per turn: `turn/k{k}/{name}` for k = 0 .. max_turns-1 ------------------------------------
 TURN_PREFIX = "turn/k"
+# rollout_kl: mean over the turn's agent tokens of log π_rollout − log π_old (runs whose batch has
+# the sampler's log-probs)
 TURN_METRICS: tuple[str, ...] = ("pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean", "ppo_kl", "entropy",
-                                 "tokens")
+                                 "tokens", "rollout_kl")
 
 # --- online alarms (stppo.alarms): `alarm/<indicator>` = 1.0 at the step the alarm fires ----------
 ALARM_PREFIX = "alarm/"
@@ -165,6 +193,16 @@ def parse_turn_key(key: str) -> tuple[int, str] | None:
     return int(head), name
 
 
+def rollout_rs_key(option: str, stat: str) -> str:
+    """verl's key of rejection-sampling statistic `stat` (ROLLOUT_RS_STATS) of option `option`
+    (ROLLOUT_RS_OPTIONS): `rollout_corr/rollout_rs_{option}_{stat}`."""
+    if option not in ROLLOUT_RS_OPTIONS:
+        raise ValueError(f"unknown rejection option {option!r}; valid: {', '.join(ROLLOUT_RS_OPTIONS)}")
+    if stat not in ROLLOUT_RS_STATS:
+        raise ValueError(f"unknown rejection statistic {stat!r}; valid: {', '.join(ROLLOUT_RS_STATS)}")
+    return f"rollout_corr/rollout_rs_{option}_{stat}"
+
+
 def alarm_key(indicator: str) -> str:
     """The key logged (1.0) at the step an online alarm of `indicator` fires: `alarm/<indicator>`."""
     return f"{ALARM_PREFIX}{indicator}"
@@ -178,7 +216,7 @@ def samples_artifact(step: int) -> str:
 ALL_METRICS: tuple[str, ...] = tuple(
     v for k, v in dict(globals()).items()
     if k.isupper() and isinstance(v, str) and "/" in v and not k.endswith("_PREFIX")
-)
+) + tuple(rollout_rs_key(o, s) for o in ROLLOUT_RS_OPTIONS for s in ROLLOUT_RS_STATS)
 
 # Keys reduced by max / min (not mean) over minibatches and ranks.
 MAX_REDUCED: frozenset[str] = frozenset(k for k in ALL_METRICS if k.endswith("_max"))

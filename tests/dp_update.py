@@ -45,10 +45,26 @@ CASES = {
     # a researcher's stabiliser (tests/plugin_example): its preset file, a bigger β
     "turn_drift": dict(name="turn_drift", loss_options={"beta": 0.5}),
     # SSPO: subsentences from the policy's delimiter table, per shard; the optimal token
-    # baseline: the old forward's Σπ², per group (a group never spans ranks)
+    # baseline: the old forward's Σπ² and the decoupled correction's IS weights, per group (a
+    # group never spans ranks)
     "sspo": dict(name="sspo"),
-    "tir_optimal_token_baseline": dict(name="tir_optimal_token_baseline"),
+    "tir_optimal_token_baseline": dict(name="tir_optimal_token_baseline",
+                                       rollout_correction="decoupled_token_is"),
+    # rollout corrections whose weights and metrics are statistics of the whole batch: decoupled
+    # sequence IS normalised by the batch mean, with rejection (once per step, in the
+    # preparation); bypass REINFORCE with normalised weights (in the loss, a batch statistic)
+    # and the clip loss with geometric rejection against π_rollout
+    "seq_is_rs": dict(name="grpo", advantage="grpo", use_critic=False,
+                      rollout_correction="decoupled_seq_is_rs",
+                      rollout_correction_options={"rs_threshold": "0.7_1.4", "batch_normalize": True}),
+    "bypass_pg": dict(name="grpo", advantage="grpo", use_critic=False, rollout_correction="bypass_pg_is",
+                      rollout_correction_options={"batch_normalize": True, "threshold": 1.2}),
+    "bypass_clip": dict(name="ppo", ratio_level="token", advantage="gae", use_critic=True,
+                        rollout_correction="bypass_ppo_clip_geo_rs",
+                        rollout_correction_options={"rs_threshold": "0.95_1.05"}),
 }
+# The sampler's per-row drift from π_old (a rollout correction's cases): rows 3 and 5 far off
+SAMPLER_DRIFT = (0.0, 0.02, -0.01, 0.5, 0.03, -0.6, 0.0, 0.01)
 PLUGIN_SEARCH_PATH = "hydra.searchpath=[pkg://turn_drift.conf]"
 
 
@@ -62,6 +78,8 @@ def algo_config(case: str) -> AlgoConfig:
             a = replace(a, correction=replace(a.correction, **v))
         elif k == "kl":
             a = replace(a, kl=replace(a.kl, **v))
+        elif k == "rollout_correction_options":
+            a = replace(a, rollout_correction_options=replace(a.rollout_correction_options, **v))
         elif k != "name":
             a = replace(a, **{k: v})
     return a
@@ -101,8 +119,16 @@ def run_case(case: str, d: distributed.Dist, micro: int = 0) -> dict:
         ref = reference_model(policy)
     critic = critic if algo.use_critic else None
     full = global_batch()
+    if algo.rollout_correction != "none":  # the sampler: π_old off by SAMPLER_DRIFT and noise
+        from stppo.models import policy_log_probs
+        with torch.no_grad():
+            lp = policy_log_probs(policy, full.input_ids, full.attention_mask, positions=full.loss_mask)
+        noise = 0.01 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(5))
+        drift = torch.tensor(SAMPLER_DRIFT)[:, None]
+        full = replace(full, rollout_log_probs=torch.where(full.loss_mask, lp - drift + noise, 0.0))
     mine = torch.tensor([i for i in range(len(full)) if int(full.group_ids[i]) % d.world == d.rank])
-    batch, metrics = prepare_batch(full.select(mine), policy, critic, ref, algo, reduce=d.reduce)
+    batch, metrics = prepare_batch(full.select(mine), policy, critic, ref, algo, reduce=d.reduce,
+                                   gather=d.gather_rows if d.active else None)
     ctx = UpdateContext(algo, trainer, torch.Generator().manual_seed(0), dist=d)
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=3e-2, weight_decay=0.0)
     metrics.update(actor_update(policy, actor_opt, batch, ctx))

@@ -160,3 +160,43 @@ def test_tracking_names_of_the_workbench():
         T.turn_key(0, "nope")
     every_key = {k for ind in INDICATORS.values() for k in ind.keys}
     assert every_key <= set(T.ALL_METRICS)
+
+
+def test_mismatch_and_staleness_indicators_by_hand():
+    # rollout_chi2: y = log(x + 1e-3); a flat 1e-4 baseline sits at log(1.1e-3), scale = min_scale 0.2
+    chi2 = [1e-4] * 5 + [1e-4, 0.05, 0.05, 1e-4, 1e-4]
+    z = (math.log(0.05 + 1e-3) - math.log(1e-4 + 1e-3)) / 0.2  # 19.2
+    assert alarm_statistic(STEPS[:10], chi2, "rollout_chi2")[7] == pytest.approx(z)
+    assert first_alarm(STEPS[:10], chi2, "rollout_chi2") == 8
+    # below ε the χ² of float noise is flat: a tenfold wiggle under 1e-4 stays far from h
+    assert first_alarm(STEPS[:10], [1e-5] * 5 + [1e-4] * 5, "rollout_chi2") is None
+    # offpolicy_kl: a KL to the current policy that triples, (log 3.1e-3 − log 1.1e-3) / 0.2 = 5.2 ≥ 4
+    kl = [1e-3] * 5 + [3e-3] * 5
+    assert first_alarm(STEPS[:10], kl, "offpolicy_kl") == 7
+    assert first_alarm(STEPS[:10], [1e-3] * 5 + [2e-3] * 5, "offpolicy_kl") is None  # (log 2.1/1.1) / 0.2 = 3.2
+    # rollout_is_ess_drop: (0.98 − x) / 0.05 on a flat baseline
+    ess = [0.98] * 5 + [0.95, 0.7, 0.6, 0.6, 0.6]
+    stat = alarm_statistic(STEPS[:10], ess, "rollout_is_ess_drop")
+    assert stat[6:8] == pytest.approx([0.6, 5.6])  # z = 0.6, 5.6, 7.6: a_7 = min(0.6, 5.6), a_8 = min(5.6, 7.6)
+    assert first_alarm(STEPS[:10], ess, "rollout_is_ess_drop") == 8
+
+
+def test_chi2_prefers_the_token_level_and_falls_back_to_the_sequence_level():
+    token = AlarmSet(AlarmConfig(indicators=["rollout_chi2"]))
+    for s in range(1, 8):
+        token.update(s, {T.ROLLOUT_CORR_CHI2_TOKEN: 1e-3, T.ROLLOUT_CORR_CHI2_SEQ: 1.0})
+    seq = AlarmSet(AlarmConfig(indicators=["rollout_chi2"]))
+    seq.update(1, {T.ROLLOUT_CORR_CHI2_SEQ: 1.0})
+    assert token.keys == {"rollout_chi2": T.ROLLOUT_CORR_CHI2_TOKEN} and seq.keys == {"rollout_chi2": T.ROLLOUT_CORR_CHI2_SEQ}
+
+
+def test_an_indicator_whose_metric_a_run_does_not_log_never_fires():
+    """A run without stale rollouts logs no offpolicy/*, an older run no rollout_corr/chi2_*: those
+    indicators stay silent (no key, no statistic) while the others fire as usual."""
+    alarms, fired = AlarmSet(), {}
+    for s in range(1, 31):
+        for name in alarms.update(s, {T.PG_CLIPFRAC: 0.05 if s < 15 else 0.5, T.ROLLOUT_CORR_K3_KL: 1e-4}):
+            fired[name] = s
+    assert fired == {"clip_frac": 16}
+    for name in ("rollout_chi2", "offpolicy_kl", "rollout_is_ess_drop"):
+        assert name not in alarms.keys and math.isnan(alarms.statistics()[name])

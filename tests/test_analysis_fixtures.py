@@ -125,16 +125,29 @@ def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
 #   before the collapse; collapse settings ema=1, patience=3, so the onset is the drop step):
 SIGNAL_RUNS = [(25, 6), (30, 10), (28, 3), (None, None), (None, None), (None, None), (27, None)]
 DEMO, SIGNAL = "demo", "signal"
+# * `stale_a` — the cells of `analysis.synthetic_stale.STALE_CELLS` (preset × lag × lag mode × rollout
+#   correction, 2 seeds each, a known number of collapses; ppo at lag 0 written as runs from before
+#   trainer.offpolicy, without the params); `stale_b` — a second level: ppo at lags 0 and 2.
+STALE, STALE_B = "stale_a", "stale_b"
+
+
+def stale_b_cells():
+    from analysis.synthetic_stale import StaleCell
+
+    return (StaleCell("ppo", 0, 2, 1), StaleCell("ppo", 2, 2, 2))
 
 
 def build_workbench_store(root: Path) -> str:
     from analysis.synthetic import write_demo_study, write_signal_study
+    from analysis.synthetic_stale import write_stale_study
 
     root.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     if not (root / "done").exists():
         write_demo_study(uri, DEMO, seeds=(0, 1), steps=40, per_step=False, diagnostics=True, samples_every=10)
         write_signal_study(uri, SIGNAL, SIGNAL_RUNS, steps=40)
+        write_stale_study(uri, STALE)
+        write_stale_study(uri, STALE_B, stale_b_cells())
         (root / "done").touch()
     return uri
 
@@ -142,3 +155,21 @@ def build_workbench_store(root: Path) -> str:
 @pytest.fixture(scope="session")
 def workbench_uri(tmp_path_factory) -> str:
     return build_workbench_store(tmp_path_factory.getbasetemp() / "workbench_store")
+
+
+def build_stale_store(root: Path) -> str:
+    """A store of the two stale experiments only (the dashboard opens on `stale_a`)."""
+    from analysis.synthetic_stale import write_stale_study
+
+    root.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    if not (root / "done").exists():
+        write_stale_study(uri, STALE)
+        write_stale_study(uri, STALE_B, stale_b_cells())
+        (root / "done").touch()
+    return uri
+
+
+@pytest.fixture(scope="session")
+def stale_uri(tmp_path_factory) -> str:
+    return build_stale_store(tmp_path_factory.getbasetemp() / "stale_store")

@@ -11,8 +11,11 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 import json
 
-from test_analysis_fixtures import DEMO, EMPTY, KNOWN, SIGNAL, closed_port, known_uri, workbench_uri  # noqa: F401
+from test_analysis_fixtures import (DEMO, EMPTY, KNOWN, SIGNAL, STALE, STALE_B, closed_port, known_uri,  # noqa: F401
+                                    workbench_uri)
 from test_analysis_sweeps import SWEEP, optuna_url  # noqa: F401
+
+from stppo import metric_names as T
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 
@@ -146,15 +149,15 @@ def workbench(app, workbench_uri, monkeypatch):
     return app
 
 
-def _pick(at: AppTest, experiment: str) -> AppTest:
-    return _ok(at.sidebar.multiselect[0].set_value([experiment]).run())
+def _pick(at: AppTest, *experiments: str) -> AppTest:
+    return _ok(at.sidebar.multiselect[0].set_value(list(experiments)).run())
 
 
 def test_collapse_page_draws_the_turn_heatmap(workbench):
     at = _pick(_ok(workbench.run()), DEMO)
     _ok(at.switch_page("views/collapse.py").run())
-    assert at.selectbox(key="collapse:turn_metric").options == ["pg_clipfrac", "ratio_mean", "ratio_max", "adv_mean",
-                                                                "ppo_kl", "entropy", "tokens"]
+    # every per-turn name of TURN_METRICS the demo logs (rollout_kl once metric_names lists it)
+    assert at.selectbox(key="collapse:turn_metric").options == list(T.TURN_METRICS)
     _ok(at.selectbox(key="collapse:turn_metric").set_value("ratio_max").run())
     heat = _charts(at)[1]
     assert heat["layer"][0]["mark"]["type"] == "rect" and heat["layer"][0]["encoding"]["color"]["title"] == "ratio_max"
@@ -213,3 +216,76 @@ def test_early_warning_page_table_and_threshold(workbench):
     assert at.table[0].value.set_index("indicator").loc["clip_frac", "warned k/n"] == "0/4"
     rule = [d for d in _chart_data(at, 0) if list(d.columns) == ["h"]]
     assert len(rule) == 1 and rule[0]["h"].tolist() == [20.0]  # the threshold line follows the slider
+
+
+def test_frontier_page_over_the_lag_the_level_and_both(workbench):
+    at = _pick(_ok(workbench.run()), STALE)
+    _ok(at.switch_page("views/frontier.py").run())
+    assert at.radio(key="frontier:axis").value == "lag"  # the lag varies: it is the default axis
+    assert "**22 runs** in 11 cells: lags 0, 1, 2, 4" in _texts(at.markdown)
+    table = at.table[0].value.set_index(["lag", "lag mode", "preset"])
+    assert table.loc[(2, "fixed", "ppo"), "collapsed k/n"] == "2/2"
+    assert table.loc[(4, "fixed", "grpo+decoupled_geo_rs"), "collapsed k/n"] == "1/2"
+    assert table.loc[(4, "uniform", "ppo"), "collapsed k/n"] == "1/2"  # the lag mode is a cell of its own
+    (spec,) = _charts(at)
+    assert [layer["mark"]["type"] for layer in spec["layer"]] == ["rule", "line"]
+    assert spec["layer"][1]["encoding"]["x"]["sort"] == ["lag 0", "lag 1", "lag 2", "lag 4"]
+    _ok(at.radio(key="frontier:axis").set_value("level").run())
+    assert "One level" in _texts(at.info)
+    at = _pick(at, STALE, STALE_B)
+    _ok(at.radio(key="frontier:axis").set_value("both").run())
+    (spec,) = _charts(at)
+    assert spec["facet"]["column"]["field"] == "level"  # one panel per level, the lag across
+    table = at.table[0].value.set_index(["level", "lag", "lag mode", "preset"])
+    assert table.loc[(STALE_B, 0, "fixed", "ppo"), "collapsed k/n"] == "1/2"
+
+
+def test_frontier_page_without_lags_draws_the_levels(workbench):
+    at = _pick(_ok(workbench.run()), DEMO, SIGNAL)
+    _ok(at.switch_page("views/frontier.py").run())
+    assert at.radio(key="frontier:axis").value == "level"
+    table = at.table[0].value.set_index(["level", "preset"])
+    assert table.loc[(DEMO, "ppo"), "collapsed k/n"] == "2/2" and table.loc[(SIGNAL, "ppo"), "collapsed k/n"] == "4/7"
+    _ok(at.radio(key="frontier:axis").set_value("lag").run())
+    assert "Every selected run has lag 0" in _texts(at.info)
+
+
+def test_collapse_page_shows_the_mismatch_panels_and_the_per_turn_mismatch(workbench):
+    at = _pick(_ok(workbench.run()), STALE)
+    _ok(at.switch_page("views/collapse.py").run())
+    _ok(at.multiselect(key="collapse:lag").set_value(["4"]).run())
+    run = at.selectbox(key="collapse:run")
+    assert run.options[0].startswith("grpo · tiny · seed 0") and run.options[0].endswith("collapsed at step 12")
+    assert "rollouts lag 4 behind" in _texts(at.caption)
+    charts = _charts(at)  # Fig. 2 with the mismatch panels, [the generic per-turn heatmap,] the mismatch heatmap
+    panels, heat = charts[0], charts[-1]
+    titles = [p["layer"][0]["title"] if "layer" in p else p["title"] for p in panels["vconcat"]]
+    assert titles[:4] == ["success rate (drag here to select steps)", "valid action ratio", "grad norm (pre-clip)",
+                          "sampler vs trainer KL"]  # the run logged no advantages
+    assert {"χ² of π_old / π_rollout", "KL of the stale policy to the current one",
+            "staleness: lag of the sampling policy (steps)", "IS weights"} <= set(titles)
+    assert heat["layer"][0]["encoding"]["color"]["title"] == "rollout_kl"
+    assert "`turn/k*/rollout_kl`" in _texts(at.caption)
+    _ok(at.multiselect(key="collapse:lag").set_value(["0"]).run())
+    panels = _charts(at)[0]
+    titles = [p["layer"][0]["title"] if "layer" in p else p["title"] for p in panels["vconcat"]]
+    assert "sampler vs trainer KL" in titles and "KL of the stale policy to the current one" not in titles
+    assert "no stale rollouts" in _texts(at.caption)
+
+
+def test_overview_and_compare_split_presets_by_lag(workbench):
+    at = _pick(_ok(workbench.run()), STALE)
+    assert at.multiselect(key="overview:split").value == ["lag", "lag_mode"]
+    table = at.table[0].value.set_index(["lag", "lag mode", "preset"])
+    assert table.loc[(4, "fixed", "ppo"), "collapsed k/n"] == "2/2"
+    assert table.loc[(0, "fixed", "ppo"), "collapsed k/n"] == "0/2"  # runs from before trainer.offpolicy: lag 0
+    assert {"lag", "lag_mode", "correction"} <= set(at.dataframe[0].value.columns)
+    series = set(_chart_data(at, 0)[0]["series"])
+    assert {"ppo · lag 0", "ppo · lag 4", "ppo · lag 4 uniform", "grpo+decoupled_geo_rs · lag 2"} <= series
+    _ok(at.multiselect(key="overview:lag").set_value(["2"]).run())
+    assert "**6 runs** in stale_a" in _texts(at.markdown)
+    _ok(at.switch_page("views/compare.py").run())
+    presets = at.dataframe[0].value
+    assert list(presets.columns[:3]) == ["lag", "lag_mode", "algo"] and len(presets) == 11
+    sig = at.dataframe[1].value  # pairs within a lag: 1 + 1 + 3 + 3 (+ none at lag 4 uniform, ppo alone)
+    assert len(sig) == 8 and set(sig.columns) >= {"lag", "lag_mode", "a", "b"}

@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium: `streamlit run dashboard/app.py` over the known store,
 opened with Playwright; the runs and an interactive chart must render. Then over the workbench store:
 the Samples page with a marked search call and an observation, the Early warning page with its
-table. Saves screenshots to the test's tmp dir and to reports/ (git-ignored)."""
+table. Then over a store of stale-rollout runs: the Stability frontier page along the lag, and the
+Collapse diagnosis page with the mismatch panels and the per-turn mismatch heatmap. Saves screenshots to the test's tmp dir and to reports/ (git-ignored)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_healthy
-from test_analysis_fixtures import closed_port, known_uri, workbench_uri  # noqa: F401
+from test_analysis_fixtures import closed_port, known_uri, stale_uri, workbench_uri  # noqa: F401
 from test_analysis_sweeps import optuna_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,12 @@ def server(known_uri, optuna_url, tmp_path):
 @pytest.fixture
 def workbench_server(workbench_uri, optuna_url, tmp_path):
     with streamlit_server(workbench_uri, optuna_url, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def stale_server(stale_uri, optuna_url, tmp_path):
+    with streamlit_server(stale_uri, optuna_url, tmp_path) as url:
         yield url
 
 
@@ -134,3 +141,34 @@ def test_samples_and_early_warning_pages_in_chromium(workbench_server, tmp_path)
         text = _no_error(main)
         assert "2 runs without collapse" in text and "robust z-score" in text
         _screenshot(page, tmp_path, "dashboard_warning.png")
+
+
+def _charts_drawn(page, n: int) -> None:
+    """Wait until at least n Altair charts of the main area are drawn with real size."""
+    page.wait_for_function(
+        "n => [...document.querySelectorAll('[data-testid=\"stMain\"] .vega-embed')].filter(e => "
+        "[...e.querySelectorAll('canvas, svg')].some(c => c.getBoundingClientRect().width > 200)).length >= n",
+        arg=n, timeout=90_000)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(240)
+def test_frontier_and_mismatch_panels_in_chromium(stale_server, tmp_path):
+    with chromium_page() as page:
+        main = page.locator('[data-testid="stMain"]')
+        page.goto(f"{stale_server}/frontier", wait_until="domcontentloaded")
+        page.get_by_text("22 runs in 11 cells: lags 0, 1, 2, 4", exact=False).wait_for(timeout=90_000)
+        _charts_drawn(page, 1)
+        table = main.locator('[data-testid="stTable"]').first.inner_text()
+        assert "grpo+decoupled_geo_rs" in table and "lag mode" in table and "uniform" in table
+        text = _no_error(main)
+        assert "Wilson 95% interval" in text
+        _screenshot(page, tmp_path, "dashboard_frontier_lag.png")
+
+        page.goto(f"{stale_server}/collapse", wait_until="domcontentloaded")
+        page.get_by_text("rollouts lag 4 behind", exact=False).wait_for(timeout=90_000)
+        main.get_by_text("Per-turn sampler vs trainer mismatch").wait_for(timeout=60_000)
+        _charts_drawn(page, 2)  # Fig. 2 with the mismatch panels, and the per-turn mismatch heatmap
+        text = _no_error(main)
+        assert "Collapsed at step 12 of 30." in text and "turn/k*/rollout_kl" in text
+        _screenshot(page, tmp_path, "dashboard_collapse_mismatch.png")

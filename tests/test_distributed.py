@@ -38,8 +38,15 @@ def updates(tmp_path_factory):
     return res
 
 
-CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "sspo",
-         "tir_optimal_token_baseline")
+CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "seq_is_rs",
+         "bypass_pg", "bypass_clip", "sspo", "tir_optimal_token_baseline")
+# The rollout correction's statistics of the whole batch (every rank's rows): the decoupled
+# correction's once per step, bypass mode's per minibatch.
+GLOBAL_CORRECTION_KEYS = ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",
+                          "rollout_corr/rollout_is_seq_std", "rollout_corr/rollout_is_eff_sample_size",
+                          "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction",
+                          "rollout_corr/kl", "rollout_corr/training_ppl", "rollout_corr/chi2_seq",
+                          "rollout_corr/log_ppl_diff_max")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -60,7 +67,8 @@ def test_two_process_update_equals_one_process(updates, case):
     m1, m2 = one["metrics"], two["metrics"]
     # global quantities: the loss, λ, ‖C‖ and the pre-clip gradient norm of the whole batch
     for key in ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
-                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref"):
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref",
+                *GLOBAL_CORRECTION_KEYS):
         if key in m1:
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
@@ -81,7 +89,8 @@ def test_micro_batched_two_process_update_equals_one_process_whole_minibatch(upd
         m1, m2 = one["metrics"], micro["metrics"]
         per_rank = ("actor/pg_clipfrac", "actor/ratio_max") if procs == 1 else ()  # (one rank)
         keys = ("actor/pg_loss", "clip_bias/scale", "clip_bias/norm", "clip_bias/grad_norm",
-                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref")
+                "actor/grad_norm", "actor/entropy", "critic/vf_loss", "actor/kl_ref",
+                *GLOBAL_CORRECTION_KEYS)
         for key in keys + per_rank:
             if key in m1:
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
@@ -91,6 +100,48 @@ def test_corrections_act_in_the_check(updates):
     """The equality above covers λ < 1 (the corrections act), else it would prove little."""
     for case in ("st_ppo", "s_ppo_grad", "so_grpo"):
         assert updates[1][case]["metrics"]["clip_bias/scale"] < 0.9, case
+
+
+def test_rollout_corrections_act_in_the_check(updates):
+    """Rows are rejected and the IS weights normalised in the cases above: the equality of the
+    update and of the correction's statistics covers the batch-level parts."""
+    one = updates[1]
+    for case in ("seq_is_rs", "bypass_clip"):
+        assert 0 < one[case]["metrics"]["rollout_corr/rollout_rs_seq_masked_fraction"] < 1, case
+    for case in ("seq_is_rs", "bypass_pg"):
+        assert one[case]["metrics"]["rollout_corr/rollout_is_batch_norm_factor"] != 1.0, case
+
+
+def test_stale_rollouts_sample_with_the_same_past_policies_on_every_rank(tmp_path):
+    """trainer.offpolicy.lag=2 (uniform) under 2 ranks: the snapshot rings are equal on both
+    ranks at every step (taken after the synchronised optimizer step), each rank's rows are
+    sampled by the weights of step t − 1 − their lag, and each rank's groups carry the lags of
+    the whole step's draw (every rank draws them all, then keeps its shard)."""
+    from dp_offpolicy import LAG, STEPS
+
+    from stppo.config import OffPolicyConfig
+    from stppo.train.loop import step_seed
+    from stppo.train.offpolicy import draw_lags
+
+    p = torchrun(2, str(REPO / "tests" / "dp_offpolicy.py"), str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"out.rank{r}.pt", weights_only=False) for r in (0, 1)]
+    seen = set()
+    for t in range(1, STEPS + 1):
+        r0, r1 = ranks[0][t - 1], ranks[1][t - 1]
+        assert r0["ring"] == r1["ring"] and r0["policy"] == r1["policy"], t
+        assert sorted(r0["ring"]) == [s for s in range(t - LAG, t) if s >= 0]
+        assert set(r0["question_ids"]).isdisjoint(r1["question_ids"])  # each rank its own groups
+        drawn = draw_lags(OffPolicyConfig(LAG, "uniform"), 4, step_seed(0, t, "lags"))
+        ages = [min(lag, t - 1) for lag in drawn]
+        assert r0["group_lags"] == ages[0::2] and r1["group_lags"] == ages[1::2], t
+        seen |= set(ages)
+        for r in (r0, r1):  # the sampler is the kept θ_{t-1-lag} (up to the engine's rounding)
+            torch.testing.assert_close(r["rollout"], r["sampler"], rtol=2e-6, atol=2e-6)
+        assert r0["metrics"] == r1["metrics"]  # reduced over ranks
+        assert r0["metrics"]["offpolicy/lag_mean"] == sum(ages) / len(ages)
+        assert r0["metrics"]["offpolicy/lag_max"] == max(ages)
+    assert seen == set(range(LAG + 1))
 
 
 def test_torchrun_run_py_logs_one_run(tmp_path):

@@ -1,12 +1,15 @@
 """Micro-batched update (`trainer.micro_batch_size`): the loss, gradient and metrics of a minibatch
 accumulated over micro-batches equal the whole minibatch's in one forward — every aggregation
 mode and ratio level, every correction (batch and sequence granularity, both estimators), every
-loss mode, TIS, the KL term and the entropy bonus (float64, 1e-10); the critic too; and a whole
+loss mode, rollout corrections (decoupled IS and rejection, bypass with REINFORCE and with the
+preset's loss, the IS batch normaliser), the KL term and the entropy bonus (float64, 1e-10); the
+critic too; and a whole
 update with micro-batches and gradient checkpointing equals the plain one. The 2-process
 data-parallel equality with micro-batches is in tests/test_distributed.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +20,14 @@ from layouts import multi_turn_layout
 from stppo.algos import LOSS_MODES, LossSpec
 from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
-from stppo.config import (AlgoConfig, CorrectionConfig, KLConfig, RolloutISConfig, TrainerConfig)
+from stppo.config import AlgoConfig, CorrectionConfig, KLConfig, TrainerConfig
 from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
 from stppo.train.microbatch import actor_backward, critic_backward, split
+from stppo.train.rollout_corr import step_correction
 from stppo.train.update import UpdateContext, actor_update, critic_update
 
 N, T, VOCAB, TOL = 12, 24, 40, 1e-10
+RS_SEQ = "rollout_corr/rollout_rs_seq_masked_fraction"
 
 
 def _model(seed: int = 0) -> Qwen2ForCausalLM:
@@ -58,11 +63,19 @@ def _batch(policy) -> Batch:
 
 
 def _algo(name="ppo", **kw) -> AlgoConfig:
-    for key, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
-                     ("rollout_is", RolloutISConfig)):
+    for key, cls in (("correction", CorrectionConfig), ("kl", KLConfig)):
         if key in kw:
             kw[key] = cls(**kw[key])
     return AlgoConfig(name=name, **kw)
+
+
+def _corrected(mb: Batch, algo: AlgoConfig) -> Batch:
+    """The batch as the preparation leaves it under the run's rollout correction: decoupled, its
+    kept tokens and IS weights (once, from π_old); bypass, π_old = the sampler's."""
+    rc = algo.spec.rollout_correction
+    if rc.bypass_mode:
+        return replace(mb, old_log_probs=mb.rollout_log_probs)
+    return step_correction(mb, mb.old_log_probs, rc)[0] if rc.decoupled else mb
 
 
 def _ctx(algo: AlgoConfig, micro: int) -> UpdateContext:
@@ -114,7 +127,7 @@ CASES = {
     "st_ppo/sequence": dict(name="st_ppo", ratio_level="turn",
                             correction=dict(kind="clip_bias_norm", tau=0.05,
                                             granularity="sequence")),
-    "st_ppo/grad+tis": dict(name="st_ppo", ratio_level="turn", rollout_is=dict(kind="token"),
+    "st_ppo/grad+tis": dict(name="st_ppo", ratio_level="turn", rollout_correction="decoupled_token_is",
                             correction=dict(kind="clip_bias_norm", tau=1e-3, estimator="grad")),
     "so_ppo": dict(name="so_ppo", ratio_level="turn", correction=dict(kind="clip_triggered",
                                                                         tau=0.1)),
@@ -122,14 +135,31 @@ CASES = {
                              use_critic=False, clip_low=0.02, clip_high=0.02,
                              correction=dict(kind="clip_triggered", tau=0.1)),
     "grpo": dict(name="grpo", advantage="grpo", use_critic=False, loss_agg="token-mean"),
-    "tis": dict(rollout_is=dict(kind="token", threshold=1.5)),
+    "tis": dict(rollout_correction="decoupled_token_is", rollout_correction_options={"threshold": 1.5}),
+    # rollout corrections: sequence IS + rejection (rows leave the mask), IcePop, bypass mode with
+    # the preset's loss and with REINFORCE, the IS batch normaliser (bypass: a batch statistic)
+    "seq_is_rs": dict(rollout_correction="decoupled_seq_is_rs"),
+    "icepop/turn": dict(name="turn_ppo", ratio_level="turn", rollout_correction="decoupled_token_icepop",
+                        rollout_correction_options={"threshold": 1.5, "threshold_lower": 0.8}),
+    "bypass_clip_k3": dict(name="grpo", advantage="grpo", use_critic=False,
+                           rollout_correction="bypass_ppo_clip_k3_rs",
+                           rollout_correction_options={"rs_threshold": 0.11}),
+    "bypass_pg": dict(name="grpo", advantage="grpo", use_critic=False, loss_agg="token-mean",
+                      rollout_correction="bypass_pg_geo_rs_token_tis",
+                      rollout_correction_options={"rs_threshold": "0.95_1.05", "is_threshold": 1.5}),
+    "bypass_pg/normalised": dict(name="grpo", advantage="grpo", use_critic=False,
+                                 rollout_correction="bypass_pg_is",
+                                 rollout_correction_options={"batch_normalize": True}),
     # every baseline loss mode (the batch-level ones: Clip-Cov, KL-Cov, BAPO), TIS on one
     **{f"mode/{mode}": dict(name="grpo", advantage="grpo", use_critic=False, loss_mode=mode,
                             ratio_level="sequence" if mode == "gmpo" else "token",
                             loss_options=OPTIONS.get(mode, {}))
        for mode in LOSS_MODES if mode != "clip"},
     "mode/bapo+tis": dict(name="bapo", advantage="grpo", use_critic=False, loss_mode="bapo",
-                          clip_low=0.4, rollout_is=dict(kind="token")),
+                          clip_low=0.4, rollout_correction="decoupled_token_is"),
+    "mode/sapo+bypass": dict(name="sapo", advantage="grpo", use_critic=False, loss_mode="sapo",
+                             rollout_correction="bypass_ppo_clip_geo_rs",
+                             rollout_correction_options={"rs_threshold": "0.95_1.05"}),
 }
 
 
@@ -144,10 +174,16 @@ def setup():
 def test_micro_batched_loss_gradient_and_metrics_equal_the_whole_minibatch(setup, case, micro):
     policy, mb = setup
     algo = _algo(**CASES[case])
+    mb = _corrected(mb, algo)
     whole = _grads(policy, mb, _ctx(algo, 0))
     _assert_same(whole, _grads(policy, mb, _ctx(algo, micro)), f"{case}, micro {micro}")
     if algo.correction.kind != "none" and micro == 5:  # the corrections act in this check
         assert float(whole[1]["clip_bias/scale"]) < 0.999, case
+    rc = algo.spec.rollout_correction
+    if rc.rollout_rs is not None and micro == 5:  # some rows are rejected, not all
+        kept = (float(whole[1][RS_SEQ]) if rc.bypass_mode else
+                float(mb.loss_mask.any(dim=1).sum() / mb.turn_ids.ge(0).any(dim=1).sum()))
+        assert 0 < kept < 1, (case, kept)
 
 
 def test_the_check_can_fail(setup, monkeypatch):
@@ -172,6 +208,13 @@ def test_the_check_can_fail(setup, monkeypatch):
 
 def test_batch_level_losses_are_exactly_those_not_separable():
     assert {m for m, mode in LOSS_MODES.items() if not mode.separable} == {"clip_cov", "kl_cov", "bapo"}
+    # bypass mode's IS weights come from π_θ in the loss: normalised by their batch mean, a batch
+    # statistic; decoupled weights are fixed before the update
+    assert not _algo("grpo", rollout_correction="bypass_pg_is",
+                     rollout_correction_options={"batch_normalize": True}).spec.separable
+    assert _algo("grpo", rollout_correction="bypass_pg_is").spec.separable
+    assert _algo(rollout_correction="decoupled_seq_is",
+                 rollout_correction_options={"batch_normalize": True}).spec.separable
     assert not _algo(correction=dict(kind="clip_bias_norm")).spec.separable
     assert not _algo(correction=dict(kind="clip_triggered")).spec.separable
     assert _algo(correction=dict(kind="clip_bias_norm", granularity="sequence")).spec.separable

@@ -58,7 +58,8 @@ def test_every_baseline_preset_trains_two_steps_and_changes_the_policy(tiny_cfg,
 
 
 def test_truncated_is_weights_reach_the_loss_and_the_metrics(tiny_cfg):
-    cfg = to_config(tiny_cfg("algo=grpo", "algo.rollout_is.kind=token", "tracking.enabled=false"))
+    cfg = to_config(tiny_cfg("algo=grpo", "algo.rollout_correction=decoupled_token_is",
+                             "tracking.enabled=false"))
     _, ms, changed = _two_steps(cfg)
     assert changed
     for m in ms:  # sampler and trainer compute π_old the same way here: ω ≈ 1

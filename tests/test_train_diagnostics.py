@@ -30,9 +30,15 @@ def test_turn_breakdown_hand_computed():
     adv = torch.tensor([[5.0, 1.0, 3.0, 5.0, -4.0], [0.0, 2.0, 0.0, 0.0, 0.0]])
     ent = torch.tensor([[0.0, 0.2, 0.4, 0.0, 0.6], [0.0, 0.3, 0.0, 0.0, 0.0]])
     clipped = torch.tensor([[0, 0, 1, 0, 0], [0, 1, 0, 0, 0]], dtype=torch.bool)
-    m = turn_breakdown(ratio, lp, old, adv, ent, clipped, mask, turns, max_turns=3)
+    roll = torch.tensor([[float("inf"), -1.0, -1.0, 0.0, -1.5], [0.0, -2.5, 0.0, 0.0, 0.0]])
+    without = turn_breakdown(ratio, lp, old, adv, ent, clipped, mask, turns, max_turns=3)
+    m = turn_breakdown(ratio, lp, old, adv, ent, clipped, mask, turns, max_turns=3,
+                       rollout_log_probs=roll)
     v = {k: float(x) for k, x in m.items()}
     assert set(v) == {K.turn_key(k, n) for k in (0, 1) for n in K.TURN_METRICS}  # no turn 2
+    assert set(without) == set(m) - {K.turn_key(k, "rollout_kl") for k in (0, 1)}
+    assert v["turn/k0/rollout_kl"] == pytest.approx((0.5 - 0.5 - 0.5) / 3)  # mean of roll − old
+    assert v["turn/k1/rollout_kl"] == pytest.approx(0.5)
     assert v["turn/k0/pg_clipfrac"] == pytest.approx(2 / 3)
     assert v["turn/k0/ratio_mean"] == pytest.approx(4.5 / 3) and v["turn/k0/ratio_max"] == 2.0
     assert v["turn/k0/adv_mean"] == pytest.approx(2.0)
@@ -61,9 +67,17 @@ def test_sampler_mismatch_hand_computed_and_mask_invariant():
     assert float(m[K.ROLLOUT_CORR_ABS_DIFF_MAX]) == pytest.approx(0.5)
     assert float(m[K.ROLLOUT_CORR_ABS_DIFF_MEAN]) == pytest.approx(1 / 3)
     assert float(m[K.ROLLOUT_IS_MAX]) == pytest.approx(math.exp(0.5))
+    # verl's perplexities: per-row means of the log-probs, then the mean over rows
+    assert float(m[K.ROLLOUT_CORR_TRAINING_LOG_PPL]) == pytest.approx((1.5 + 1.0) / 2)
+    assert float(m[K.ROLLOUT_CORR_ROLLOUT_PPL]) == pytest.approx((math.exp(1.75) + math.exp(0.5)) / 2)
+    assert float(m[K.ROLLOUT_CORR_LOG_PPL_DIFF_MAX]) == pytest.approx(0.5)
+    assert float(m[K.ROLLOUT_CORR_LOG_PPL_DIFF_MIN]) == pytest.approx(-0.25)
+    assert float(m[K.ROLLOUT_CORR_CHI2_TOKEN]) == pytest.approx(float((2 * r).exp().mean() - 1))
+    assert float(m[K.ROLLOUT_CORR_CHI2_SEQ]) == pytest.approx((math.exp(1.0) + math.exp(-1.0)) / 2 - 1)
     garbage = torch.where(mask, old, torch.tensor(float("nan")))
-    m2 = sampler_mismatch(garbage, torch.where(mask, roll, torch.tensor(float("inf"))), mask)
-    assert all(torch.equal(m[k], m2[k]) for k in m)
+    m2 = sampler_mismatch(garbage, torch.where(mask, roll, torch.tensor(float("inf"))), mask, 2.0)
+    assert set(m2) == set(m) and all(torch.equal(m[k], m2[k]) for k in m)
+    assert K.ROLLOUT_IS_MEAN not in sampler_mismatch(old, roll, mask)  # no threshold: no IS stats
 
 
 def test_segments_of_a_trajectory():
@@ -115,6 +129,42 @@ def test_quick_run_logs_every_diagnostic_and_readable_samples(tiny_cfg, tmp_path
     assert set(agent["action"]) <= {"search", "answer", "invalid"} and len(agent) > 0
     assert agent["ratio_mean"].notna().all() and table["question"].str.len().min() > 0
     assert (table[table["role"] == "prompt"]["turn"] == -1).all()
+
+
+@pytest.mark.parametrize("name,options,option", [
+    ("decoupled_seq_is_rs", ["algo.rollout_correction_options.is_threshold=1.5"], "seq_sum_k1"),
+    ("bypass_pg_geo_rs_token_tis", [], "seq_mean_k1")])
+def test_a_quick_run_with_a_rollout_correction_logs_its_metrics(tiny_cfg, tmp_path, name, options,
+                                                                option):
+    """A run with `algo.rollout_correction=NAME` trains and logs the correction's statistics
+    (its IS weights' and rejection's, verl's names), the off-policy diagnostics and the per-turn
+    sampler KL every step; its params record the correction's arguments that ran."""
+    run(tiny_cfg("algo=grpo", f"algo.rollout_correction={name}", *options))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (r,) = client.search_runs([client.get_experiment_by_name("stppo").experiment_id])
+    keys = set(r.data.metrics)
+    wanted = {K.ROLLOUT_IS_MEAN, K.ROLLOUT_IS_SEQ_MEAN, K.ROLLOUT_IS_STD, K.ROLLOUT_IS_ESS,
+              K.ROLLOUT_RS_MASKED_FRACTION, K.ROLLOUT_RS_SEQ_MASKED_FRACTION,
+              K.rollout_rs_key(option, "mean"), K.rollout_rs_key(option, "seq_masked_fraction"),
+              K.ROLLOUT_CORR_KL, K.ROLLOUT_CORR_TRAINING_PPL, K.ROLLOUT_CORR_CHI2_SEQ,
+              K.turn_key(0, "rollout_kl"), K.PG_LOSS}
+    assert wanted <= keys, wanted - keys
+    assert all(K.known_metric(k) for k in keys)
+    for k in (K.ROLLOUT_IS_MEAN, K.ROLLOUT_RS_MASKED_FRACTION):
+        assert len(client.get_metric_history(r.info.run_id, k)) == 2  # every step
+    p = r.data.params
+    if name.startswith("decoupled"):  # fp32 on a CPU: π_old is the sampler's to float noise
+        assert r.data.metrics[K.ROLLOUT_RS_MASKED_FRACTION] == 0.0
+        assert r.data.metrics[K.ROLLOUT_IS_MEAN] == pytest.approx(1.0, abs=1e-4)
+    else:  # bypass: π_θ against π_rollout, which the minibatch updates move past the ±0.1% band
+        assert 0.0 <= r.data.metrics[K.ROLLOUT_RS_MASKED_FRACTION] <= 1.0
+    assert p["algo.rollout_correction"] == name
+    assert p["derived.old_log_prob_pass"] == ("sampler" if name.startswith("bypass") else "computed")
+    if name == "decoupled_seq_is_rs":
+        assert (p["algo.rollout_correction_options.is_threshold"],
+                p["algo.rollout_correction_options.rs_threshold"]) == ("1.5", "0.5_2.0")
+    else:
+        assert p["algo.rollout_correction_options.rs_threshold"] == "0.999_1.001"
 
 
 def _trainer(tiny_cfg, run_dir, *extra):

@@ -58,17 +58,33 @@ def test_the_optimal_token_baseline_reads_the_old_forwards_sum_pi_squared():
     assert (ones > 0).all() and (s2[batch.loss_mask] <= 1).all()
 
 
-def test_the_optimal_token_baseline_scales_its_energies_by_the_tis_weights():
+def test_the_optimal_token_baseline_scales_its_energies_by_the_rollout_correction_weights():
+    """A decoupled correction with IS weights: the energies take the batch's ω² (verl's
+    `compute_advantage` reads `rollout_is_weights` from the batch)."""
     policy, batch = _model(), _batch()
     g = torch.Generator().manual_seed(5)
     batch = replace(batch, rollout_log_probs=torch.where(
         batch.loss_mask, -torch.rand(N, T, generator=g, dtype=torch.float64) * 3, 0.0))
     plain, _ = prepare_batch(batch, policy, None, None,
                              AlgoConfig(name="tir_optimal_token_baseline"))
-    tis, _ = prepare_batch(batch, policy, None, None,
-                           AlgoConfig(name="tir_optimal_token_baseline",
-                                      rollout_is={"kind": "token", "threshold": 1.5}))
+    algo = AlgoConfig(name="tir_optimal_token_baseline", rollout_correction="decoupled_token_is",
+                      rollout_correction_options={"threshold": 1.5})
+    tis, _ = prepare_batch(batch, policy, None, None, algo)
+    w = tis.rollout_is_weights
+    assert w is not None and (w[batch.loss_mask] <= 1.5).all()
+    want, _ = tir_optimal_token_baseline(outcome_rewards(batch), batch.loss_mask, batch.group_ids,
+                                         tis.old_log_probs, policy_log_probs_sum_pi_squared(
+                                             policy, batch.input_ids, batch.attention_mask,
+                                             positions=batch.loss_mask)[1], w)
+    assert torch.allclose(tis.advantages, want, atol=1e-12)
     assert not torch.allclose(plain.advantages, tis.advantages)
+
+
+def test_the_optimal_token_baseline_refuses_a_bypass_correction():
+    """Bypass mode takes the sampler's log-probs as π_old: no old-policy forward, no Σπ²."""
+    with pytest.raises(ValueError, match="bypass_pg_is.*tir_optimal_token_baseline") as e:
+        AlgoConfig(name="tir_optimal_token_baseline", rollout_correction="bypass_pg_is")
+    assert "\n" not in str(e.value)
 
 
 def test_the_optimal_token_baseline_never_skips_the_old_forward(tiny_cfg):

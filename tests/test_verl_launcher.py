@@ -297,6 +297,66 @@ def test_settings_verl_cannot_honour_are_one_line_errors(extra, message, tmp_pat
         L.make_plan(cfg, run_id="x")
 
 
+SYNC, ONE_STEP, FULLY_ASYNC = ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
+                                "verl.experimental.fully_async_policy.fully_async_main")
+
+
+@pytest.mark.parametrize("lag, entry", [(0, SYNC), (1, ONE_STEP), (2, FULLY_ASYNC), (5, FULLY_ASYNC)])
+def test_the_lag_picks_verls_trainer_and_the_dry_run_prints_it(lag, entry, tmp_path, capsys):
+    cfg = make_cfg(tmp_path, f"backend.entry={SYNC}", f"trainer.offpolicy.lag={lag}", "backend.dry_run=true")
+    assert math.isnan(L.run(cfg))
+    argv = _command(capsys.readouterr().out)
+    assert argv[0].endswith(f" -m {entry}")
+    if lag >= 2:  # the fully async trainer: at most `lag` steps' batches in flight, a sync per step
+        assert {f"async_training.staleness_threshold={lag}", "async_training.trigger_parameter_sync_step=1",
+                "data.train_batch_size=0", "algorithm.rollout_correction.bypass_mode=false"} <= set(argv)
+    assert ("rollout.n_gpus_per_node=4" in argv) == (lag > 0)  # half of the node's 8 GPUs roll out
+    assert not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_a_stale_dry_run_from_the_command_line_prints_the_fully_async_trainer(tmp_path):
+    out = subprocess.run([sys.executable, "run.py", "backend=verl", "+experiment=paper_search", "trainer.offpolicy.lag=3",
+                          "backend.rollout_gpus_per_node=2", "backend.dry_run=true",
+                          f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/hydra"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    argv = _command(out.stdout.split("MLFLOW_TRACKING_URI=", 1)[1])
+    assert argv[0].endswith(f" -m {FULLY_ASYNC}")
+    assert {"rollout.n_gpus_per_node=2", "trainer.n_gpus_per_node=6", "async_training.require_batches=2",
+            "rollout.total_rollout_steps=514560"} <= set(argv)  # 512 prompts = 2 mini-batches of 256; 1005 steps
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["trainer.offpolicy.lag=2", "trainer.offpolicy.lag_mode=uniform"],
+     "trainer.offpolicy.lag_mode=uniform: verl's off-policy trainers have no per-group lag draw"),
+    ([f"backend.entry={FULLY_ASYNC}"], f"backend.entry={FULLY_ASYNC} is one of verl's off-policy trainers, "
+                                       "which have no on-policy setting"),
+    (["backend.entry=verl_standin", "trainer.offpolicy.lag=1"], "backend.entry=verl_standin cannot run "
+                                                                "trainer.offpolicy.lag=1"),
+    ([f"backend.entry={ONE_STEP}", "trainer.offpolicy.lag=2"], f"backend.entry={ONE_STEP} cannot run "
+                                                               "trainer.offpolicy.lag=2"),
+    (["trainer.offpolicy.lag=1", "backend.n_gpus_per_node=1"], "trainer.offpolicy.lag=1 with backend=verl needs >= 2 GPUs"),
+    (["trainer.offpolicy.lag=2", "algo=dapo"], "algo.dynamic_sampling with trainer.offpolicy.lag > 0: verl's off-policy"),
+    (["trainer.offpolicy.lag=2", "trainer.questions_per_step=6", "trainer.minibatch_size=16"],
+     "trainer.questions_per_step=6 must be a multiple of trainer.minibatch_size / group_size = 4"),
+    (["trainer.offpolicy.lag=1", "backend.rollout_gpus_per_node=2", "backend.rollout_tp=4"],
+     "backend.rollout_tp=4 must divide the rollout's 2 GPUs"),
+])
+def test_stale_settings_verl_cannot_run_are_one_line_errors(extra, message, tmp_path):
+    cfg = make_cfg(tmp_path, f"backend.entry={SYNC}", *extra)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        L.make_plan(cfg, run_id="x")
+
+
+def test_a_stale_setting_verl_cannot_run_exits_1_with_one_line_before_anything_starts(tmp_path):
+    out = subprocess.run([sys.executable, "run.py", "backend=verl", "+experiment=paper_search", "trainer.offpolicy.lag=2",
+                          "trainer.offpolicy.lag_mode=uniform", "backend.dry_run=true",
+                          f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/hydra"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1].startswith("run.py: error: trainer.offpolicy.lag_mode=uniform: ")
+
+
 def test_checks_before_ray_starts_are_one_line_errors(tmp_path, verl_python):
     from conftest import free_port
 
@@ -380,6 +440,7 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
     ("backend.name=trl", "backend.name"), ("backend.rollout_tp=3", "backend.rollout_tp"),
     ("backend.n_gpus_per_node=0", "backend.nnodes and backend.n_gpus_per_node"),
     ("backend.gpu_memory_utilization=1.5", "backend.gpu_memory_utilization"),
+    ("backend.rollout_gpus_per_node=8", "backend.rollout_gpus_per_node"),
 ])
 def test_invalid_backend_settings_name_the_field(override, field):
     with pytest.raises(Exception, match=field.replace(".", r"\.")):

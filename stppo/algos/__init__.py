@@ -3,7 +3,8 @@
 Entry point: `policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec)` →
 loss, metrics, and per token ρ and κ; `spec` is a `LossSpec`, built from a preset
 (`PRESETS[name].spec(...)`) or a run's config. Registries (unknown names list the valid ones):
-RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, LOSS_MODES, ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, PRESETS.
+RATIO_LEVELS, LOSS_AGGS, CORRECTIONS, LOSS_MODES, ROLLOUT_CORRECTIONS, ADVANTAGE_ESTIMATORS,
+KL_ESTIMATORS, PRESETS.
 """
 
 from stppo.algos.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, grpo_advantages,
@@ -23,10 +24,11 @@ from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
 from stppo.algos.loss import clip_policy_loss
 from stppo.algos.policy import LossInputs, LossOutput, policy_loss
 from stppo.algos.presets import PRESETS, Preset, register_preset
-from stppo.algos.spec import DEFAULT_LOSS_AGG, LossSpec, RolloutIS
+from stppo.algos.spec import DEFAULT_LOSS_AGG, LossSpec, RolloutCorrection
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
                                 token_ratio, turn_ratio)
-from stppo.algos.rollout_is import ROLLOUT_IS_KINDS, truncated_is_weights
+from stppo.algos.rollout_corr import (ROLLOUT_CORRECTIONS, Corrected, is_weights,
+                                      reinforce_loss, rejection_mask, rollout_correction)
 from stppo.registry import Registry, UnknownNameError
 from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, surrogate_parts
 from stppo.algos.value import explained_variance, value_loss
@@ -34,16 +36,16 @@ from stppo.algos.value import explained_variance, value_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CORRECTIONS", "Correction", "DEFAULT_LOSS_AGG", "DEFAULT_TAU",
     "KL_ESTIMATORS", "LOSS_AGGS", "LOSS_MODES", "LossInputs", "LossOutput", "LossSpec", "PRESETS",
-    "Preset", "RolloutIS",
-    "RATIO_LEVELS", "ROLLOUT_IS_KINDS", "Registry", "Surrogate", "SurrogateParts",
+    "Preset", "RolloutCorrection", "Corrected",
+    "RATIO_LEVELS", "ROLLOUT_CORRECTIONS", "Registry", "Surrogate", "SurrogateParts",
     "UnknownNameError", "agg_denoms", "agg_loss", "agg_weights", "bapo_schedule",
     "check_loss_mode", "clip_bias_grad_norm", "clip_bias_norm", "clip_bias_term",
     "clip_policy_loss", "clip_triggered_ratio", "clipped_surrogate", "compute_advantages", "entropy_from_logits",
     "explained_variance", "gae", "group_signal_fractions", "groups_with_signal", "grpo_advantages",
-    "importance_ratio", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
+    "importance_ratio", "is_weights", "kl_in_reward", "kl_loss", "kl_penalty", "log_ratio", "masked_whiten",
     "overlong_penalty", "pg_loss_norm", "policy_loss", "positive_share", "register_preset",
-    "reinforce_pp_advantages", "resolve_correction", "resolve_options", "rloo_advantages",
+    "reinforce_loss", "reinforce_pp_advantages", "rejection_mask", "resolve_correction", "resolve_options", "rloo_advantages", "rollout_correction",
     "sampler_mismatch", "sapo_gate", "sequence_clip_bias_norm", "sequence_ratio",
-    "surrogate_parts", "token_log_probs", "token_ratio", "truncated_is_weights", "turn_breakdown",
+    "surrogate_parts", "token_log_probs", "token_ratio", "turn_breakdown",
     "turn_gae", "turn_ratio", "value_loss",
 ]

@@ -11,9 +11,9 @@ floats; unknown names and bad values are one-line ValueErrors) and `rollout_is_w
 returns `(loss, metrics)` with the clip path's metric keys. A mode with `segments=True` (sspo)
 also takes `segment_ids` (N, T), the subsentence labels of the agent tokens, and fails in one
 line without them. Rollout IS weights ω (N, T)
-(truncated importance sampling, `stppo.algos.rollout_is`) multiply the per-token loss, as
+(the rollout correction's, `stppo.algos.rollout_corr`; ω ≥ 0) multiply the per-token loss, as
 verl's. On the clip path they are applied as advantages ωA: the clipped surrogate is positively
-homogeneous in A — clipping depends on the sign of A only and ω > 0 — so s(ρ, ωA) = ω s(ρ, A)
+homogeneous in A — clipping depends on the sign of A only and ω ≥ 0 — so s(ρ, ωA) = ω s(ρ, A)
 exactly, and the clip path itself stays untouched.
 """
 

@@ -5,10 +5,12 @@
 
 `spec` (`stppo.algos.spec.LossSpec`) fixes the loss: loss mode 'clip' without rollout IS weights
 → the clip path (`stppo.algos.loss.clip_policy_loss`: token / turn / sequence ratios,
-corrections); a built-in mode, or the clip path with truncated IS weights ω as advantages ωA →
-`stppo.algos.modes.dispatch`; a researcher's stabiliser → its function (`stppo.algos.plugins`).
+corrections); a built-in mode, or the clip path with IS weights ω as advantages ωA →
+`stppo.algos.modes.dispatch`; a researcher's stabiliser → its function (`stppo.algos.plugins`);
+a bypass-mode REINFORCE rollout correction (old_log_probs = π_rollout) → verl's REINFORCE loss
+(`stppo.algos.rollout_corr.reinforce`).
 The keywords are what a call adds to the spec: the data-parallel reduction (`global_denoms`,
-`reduce`), the policy parameters (the `grad` estimator), the TIS weights, a ‖C‖ the caller
+`reduce`), the policy parameters (the `grad` estimator), the IS weights, a ‖C‖ the caller
 computed, the subsentence labels (SSPO). Besides the loss and its metrics it returns what
 callers need per token, so none recomputes it: ρ at the spec's ratio level and κ, the clip
 path's clip indicator (whatever the mode: the per-turn breakdown, verl's dual-clip fraction and
@@ -27,6 +29,7 @@ from stppo.algos.clip_metrics import clip_metrics
 from stppo.algos.loss import check_token_tensors, clip_policy_loss
 from stppo.algos.modes import LOSS_MODES, dispatch
 from stppo.algos.ratios import importance_ratio
+from stppo.algos.rollout_corr.reinforce import reinforce_loss
 from stppo.algos.spec import LossSpec
 from stppo.algos.surrogate import clipped_surrogate
 
@@ -93,8 +96,10 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     tokens), turn_ids (long); non-agent positions may hold anything (nan/inf). `global_denoms`,
     `reduce`: data parallelism / split batches (`stppo.algos.loss.clip_policy_loss`); `params`:
     the policy parameters, for the correction estimator 'grad' (or `correction_grad_norm`, its
-    ‖C‖ computed by the caller); `rollout_is_weights`: TIS weights ω (N, T); `segment_ids`
-    (N, T) int: the subsentence labels of the agent tokens, for the loss modes that read them
+    ‖C‖ computed by the caller); `rollout_is_weights`: the rollout correction's IS weights ω
+    (N, T), applied by every mode (`stppo.algos.rollout_corr`). A rollout correction's rejection
+    is the caller's: `loss_mask` holds the kept agent tokens. `segment_ids` (N, T) int: the
+    subsentence labels of the agent tokens, for the loss modes that read them
     (`LossMode.segments`: sspo), ignored by the others."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"policy_loss takes a LossSpec, got {type(spec).__name__}")
@@ -113,7 +118,10 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                   global_denoms=global_denoms, params=params, reduce=reduce)
         if correction_grad_norm is not None:
             kw["correction_grad_norm"] = correction_grad_norm
-        if spec.loss_mode == "clip" and rollout_is_weights is None:
+        if spec.rollout_correction.reinforce:  # bypass mode: verl's REINFORCE, old = π_rollout
+            loss, metrics = reinforce_loss(log_probs, old_log_probs, advantages, loss_mask,
+                                           turn_ids, rollout_is_weights=rollout_is_weights, **kw)
+        elif spec.loss_mode == "clip" and rollout_is_weights is None:
             loss, metrics = clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask,
                                              turn_ids, **kw)
         else:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
+from stppo.algos.advantages import ADVANTAGE_ESTIMATORS, OLD_POLICY_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
 from stppo.algos.clip_bias import Correction
 from stppo.algos.ratios import RATIO_LEVELS
-from stppo.algos.rollout_is import ROLLOUT_IS_KINDS
+from stppo.algos.rollout_corr.presets import ROLLOUT_CORRECTIONS, resolve
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 DEFAULT_CLIP = 0.2
@@ -41,17 +41,53 @@ def _number(x: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class RolloutIS:
-    """Truncated importance sampling between the sampler's and the trainer's log-probs (verl's
-    `algorithm.rollout_correction` rollout_is / rollout_is_threshold): ω = min(π_old/π_rollout, C)."""
+class RolloutCorrection:
+    """The run's sampler/trainer mismatch correction (`algo.rollout_correction`, docs/design.md §2
+    "Rollout correction"): a name of `stppo.algos.rollout_corr.ROLLOUT_CORRECTIONS` — verl 0.9.1's
+    `RolloutCorrectionConfig` presets, or 'none' (the mismatch metrics only) — and `options`,
+    the arguments of verl's classmethod of that name (resolved: every argument, its default
+    unless given). The other fields are verl's, derived from the two (`algorithm.rollout_correction.*`
+    under the verl backend)."""
 
-    kind: str = "none"  # none | token
-    threshold: float = 2.0  # C
+    name: str = "none"
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    rollout_is: Optional[str] = field(init=False, default=None)  # None | token | sequence
+    rollout_is_threshold: Any = field(init=False, default=2.0)  # C, or 'lower_upper' (IcePop)
+    rollout_is_batch_normalize: bool = field(init=False, default=False)
+    rollout_rs: Optional[str] = field(init=False, default=None)  # rejection option(s)
+    rollout_rs_threshold: Any = field(init=False, default=None)
+    bypass_mode: bool = field(init=False, default=False)  # π_old := π_rollout
+    loss_type: str = field(init=False, default="ppo_clip")  # bypass: ppo_clip | reinforce
 
     def __post_init__(self) -> None:
-        _one_of("rollout_is.kind", self.kind, ROLLOUT_IS_KINDS)
-        if not (_number(self.threshold) and self.threshold > 0):
-            _fail("rollout_is.threshold", f" must be > 0, got {self.threshold}")
+        _one_of("rollout_correction", self.name, tuple(ROLLOUT_CORRECTIONS))
+        if not isinstance(self.options, Mapping):
+            _fail("rollout_correction_options", f" must be a mapping, got {self.options!r}")
+        try:
+            resolved, options = resolve(self.name, self.options)
+        except ValueError as e:
+            raise ValueError(f"algo.rollout_correction_options.{e}") from None
+        object.__setattr__(self, "options", MappingProxyType(options))
+        for k, v in resolved.items():
+            object.__setattr__(self, k, v)
+
+    @property
+    def reinforce(self) -> bool:
+        """Bypass mode with verl's REINFORCE loss in place of the preset's."""
+        return self.bypass_mode and self.loss_type == "reinforce"
+
+    @property
+    def applies_weights(self) -> bool:
+        """Whether IS weights multiply the policy loss (decoupled; bypass REINFORCE)."""
+        return self.rollout_is is not None and (not self.bypass_mode or self.reinforce)
+
+    @property
+    def decoupled(self) -> bool:
+        """Decoupled mode with weights or rejection: computed once per step from π_old."""
+        return not self.bypass_mode and (self.rollout_is is not None or self.rollout_rs is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "options": dict(self.options)}
 
 
 @dataclass(frozen=True)
@@ -69,7 +105,7 @@ class LossSpec:
     correction: Optional[Correction] = None
     loss_mode: str = "clip"
     options: Mapping[str, float] = field(default_factory=dict, hash=False)
-    rollout_is: RolloutIS = RolloutIS()
+    rollout_correction: RolloutCorrection = RolloutCorrection()
     advantage: str = "gae"
     use_critic: bool = True
 
@@ -92,8 +128,9 @@ class LossSpec:
                              f"{type(self.correction).__name__}")
         if self.correction is not None and self.correction.kind == "none":
             object.__setattr__(self, "correction", None)
-        if not isinstance(self.rollout_is, RolloutIS):
-            raise ValueError(f"algo.rollout_is must be a RolloutIS, got {type(self.rollout_is).__name__}")
+        if not isinstance(self.rollout_correction, RolloutCorrection):
+            raise ValueError(f"algo.rollout_correction must be a RolloutCorrection, got "
+                             f"{type(self.rollout_correction).__name__}")
         _one_of("loss_mode", self.loss_mode, tuple(LOSS_MODES))
         try:
             opts = check_loss_mode(self.loss_mode, ratio_level=self.ratio_level,
@@ -102,6 +139,16 @@ class LossSpec:
         except ValueError as e:
             raise ValueError(f"algo: {e}") from None
         object.__setattr__(self, "options", MappingProxyType(opts))
+        rc = self.rollout_correction
+        if rc.reinforce and (self.loss_mode, self.ratio_level, self.correction) != ("clip", "token", None):
+            _fail("rollout_correction", f"={rc.name} replaces the policy loss with verl's bypass "
+                  f"REINFORCE loss (no ratio, no clip); it needs a preset on the plain clip path "
+                  f"(loss_mode clip, ratio_level token, no correction), got loss_mode "
+                  f"{self.loss_mode}, ratio_level {self.ratio_level}, correction {self.correction_kind}")
+        if rc.bypass_mode and self.advantage in OLD_POLICY_ESTIMATORS:
+            _fail("rollout_correction", f"={rc.name} takes the sampler's log-probs as π_old (no "
+                  f"old-policy forward), but advantage={self.advantage} reads that forward's "
+                  f"Σπ²: use a decoupled correction (e.g. decoupled_token_is) or none")
 
     @property
     def correction_kind(self) -> str:
@@ -115,8 +162,10 @@ class LossSpec:
         'batch'), no batch-level choice of the loss mode (`LossMode.separable`)."""
         from stppo.algos.modes import LOSS_MODES
 
-        c = self.correction
-        return LOSS_MODES[self.loss_mode].separable and (c is None or c.granularity == "sequence")
+        c, rc = self.correction, self.rollout_correction
+        batch_weights = rc.bypass_mode and rc.applies_weights and rc.rollout_is_batch_normalize
+        return (LOSS_MODES[self.loss_mode].separable and (c is None or c.granularity == "sequence")
+                and not batch_weights)
 
     def replace(self, **changes: Any) -> "LossSpec":
         """A copy with `changes` (validated again)."""
@@ -126,7 +175,7 @@ class LossSpec:
         """Plain values (JSON-able): what travels to verl's workers (`from_dict` inverts it)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["correction"] = None if self.correction is None else dataclasses.asdict(self.correction)
-        d["rollout_is"] = dataclasses.asdict(self.rollout_is)
+        d["rollout_correction"] = self.rollout_correction.to_dict()
         d["options"] = dict(self.options)
         return d
 
@@ -135,5 +184,5 @@ class LossSpec:
         d = dict(d)
         c = d.get("correction")
         d["correction"] = None if c is None else Correction(**c)
-        d["rollout_is"] = RolloutIS(**(d.get("rollout_is") or {}))
+        d["rollout_correction"] = RolloutCorrection(**(d.get("rollout_correction") or {}))
         return cls(**d)

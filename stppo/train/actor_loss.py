@@ -13,15 +13,15 @@ from typing import Optional
 
 import torch
 
-from stppo.algos import (LossSpec, agg_loss, agg_weights, clip_bias_term, clipped_surrogate,
-                         importance_ratio, kl_loss, policy_loss, sampler_mismatch,
-                         truncated_is_weights, turn_breakdown)
+from stppo.algos import (LossSpec, agg_denoms, agg_loss, agg_weights, clip_bias_term,
+                         clipped_surrogate, importance_ratio, kl_loss, policy_loss, turn_breakdown)
 from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
 from stppo.batch import Batch
 from stppo.metric_names import ENTROPY, PG_LOSS
 from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
+from stppo.train.rollout_corr import Gather, minibatch_correction
 
 
 
@@ -32,17 +32,20 @@ class Scope:
     denoms: (D_tok, D_seq) of the whole minibatch (over ranks), or None for the call's own counts.
     reduce: the all-reduce sum of the loss's batch statistics over ranks, or None.
     metrics: whether the call reports the step's metrics (a micro-batch's share does not).
-    correction_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches)."""
+    correction_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches).
+    gather: every rank's rows (`Dist.gather_rows`) for the rollout correction's statistics, or None."""
 
     denoms: GlobalDenoms = None
     reduce: Reduce = None
     metrics: bool = True
     correction_grad_norm: Optional[torch.Tensor] = None
+    gather: Gather = None
 
 
 def whole(mb: Batch, d: Dist, correction_grad_norm: Optional[torch.Tensor] = None) -> Scope:
     """The minibatch in one call (this rank's rows of it under data parallelism, docs/design.md §5)."""
-    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm)
+    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm,
+                 d.gather_rows if d.active else None)
 
 
 def share(denoms: GlobalDenoms) -> Scope:
@@ -59,16 +62,17 @@ def grad_estimator(spec: LossSpec) -> bool:
     return spec.correction is not None and spec.correction.estimator == "grad"
 
 
-def tis_weights(spec: LossSpec, mb: Batch, old: torch.Tensor) -> Optional[torch.Tensor]:
-    """The rollout correction's truncated IS weights ω (n, T) between the sampler's log-probs
-    and π_old `old`, or None without one (`spec.rollout_is`)."""
-    if spec.rollout_is.kind == "none":
-        return None
-    if mb.rollout_log_probs is None:
-        raise ValueError("algo.rollout_is.kind=token needs the sampler's log-probs "
-                         "(Batch.rollout_log_probs)")
-    w, _ = truncated_is_weights(old, mb.rollout_log_probs, mb.loss_mask, spec.rollout_is.threshold)
-    return w
+def policy_inputs(lp: torch.Tensor, old: torch.Tensor, mb: Batch, spec: LossSpec, scope: Scope,
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], GlobalDenoms, dict]:
+    """(the agent tokens the policy loss aggregates over, its IS weights or None, its
+    denominators, the rollout correction's metrics) of rows `mb` (`stppo.train.rollout_corr`).
+    Bypass mode rejects inside the loss: the denominators stay those of every agent token."""
+    rc = spec.rollout_correction
+    c, m = minibatch_correction(lp, old, mb, rc, scope.gather, scope.metrics)
+    denoms = scope.denoms
+    if rc.bypass_mode and denoms is None:
+        denoms = agg_denoms(mb.loss_mask)
+    return c.loss_mask, c.weights, denoms, m
 
 
 def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContext,
@@ -78,17 +82,18 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContex
     algo, spec, d = ctx.algo, ctx.algo.spec, ctx.dist
     old = old_log_probs(lp, mb)
     grad_est = grad_estimator(spec)
-    out = policy_loss(lp, old, mb.advantages, mb.loss_mask, mb.turn_ids, spec,
-                      global_denoms=scope.denoms, reduce=scope.reduce,
-                      params=params if grad_est else None,
-                      rollout_is_weights=tis_weights(spec, mb, old),
+    mask, weights, denoms, corr_metrics = policy_inputs(lp, old, mb, spec, scope)
+    out = policy_loss(lp, old, mb.advantages, mask, mb.turn_ids, spec,
+                      global_denoms=denoms, reduce=scope.reduce,
+                      params=params if grad_est else None, rollout_is_weights=weights,
                       correction_grad_norm=scope.correction_grad_norm if grad_est else None,
                       segment_ids=mb.segment_ids)
     loss, m = out.loss, out.metrics
     entropy = agg_loss(ent, mb.loss_mask, spec.loss_agg, scope.denoms)
     if scope.metrics:
         m[PG_LOSS] = d.all_sum(m[PG_LOSS])  # this rank's share of the minibatch's loss → the whole
-        m.update(diagnostics(out, lp, ent, old, mb, ctx))
+        m.update(diagnostics(out, lp, ent, old, mb, mask, ctx))
+        m.update(corr_metrics)
         m[ENTROPY] = d.all_sum(entropy.detach())
     if algo.kl.coef > 0 and not algo.kl.in_reward and mb.ref_log_probs is not None:
         kl, km = kl_loss(lp, mb.ref_log_probs, mb.loss_mask, kind=algo.kl.estimator,
@@ -105,29 +110,27 @@ def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDeno
                  as_corrected: bool = False) -> torch.Tensor:
     """agg(κ ρ A) of rows `mb` with lp's graph — its gradient is the clipping bias C — weighted
     as in the minibatch (`denoms`), so the parts' terms sum to the minibatch's. `as_corrected`:
-    the term the `grad` estimator corrects with, ωA in place of A under TIS (the clip path's
-    advantages, `stppo.algos.modes`); else the diagnostic's, with A."""
+    the term the `grad` estimator corrects with, ωA in place of A under the rollout correction's IS
+    weights (the clip path's advantages, `stppo.algos.modes`); else the diagnostic's, with A.
+    Over the tokens the policy loss aggregates (a rollout correction's rejection applied)."""
     old = old_log_probs(lp, mb)
+    mask, w, bypass_denoms, _ = policy_inputs(lp, old, mb, spec, share(denoms))
+    denoms = denoms if denoms is not None else bypass_denoms
     adv = mb.advantages
-    w = tis_weights(spec, mb, old) if as_corrected else None
-    if w is not None:
+    if as_corrected and w is not None:
         adv = mb.advantages * w
-    ratio, _ = importance_ratio(lp, old, mb.loss_mask, mb.turn_ids, spec.ratio_level)  # with graph
-    adv = torch.where(mb.loss_mask, adv, 0.0)
+    ratio, _ = importance_ratio(lp, old, mask, mb.turn_ids, spec.ratio_level)  # with graph
+    adv = torch.where(mask, adv, 0.0)
     clipped = clipped_surrogate(ratio, adv, spec.clip_low, spec.clip_high, spec.dual_clip).clipped
-    w = agg_weights(mb.loss_mask, spec.loss_agg, denoms, ratio.dtype)
-    return clip_bias_term(ratio, adv, clipped, mb.loss_mask, spec.loss_agg, weights=w)
+    w = agg_weights(mask, spec.loss_agg, denoms, ratio.dtype)
+    return clip_bias_term(ratio, adv, clipped, mask, spec.loss_agg, weights=w)
 
 
 def diagnostics(out, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,
-                ctx: UpdateContext) -> dict[str, torch.Tensor]:
-    """The minibatch's per-turn breakdown (from the loss's own ρ and κ, `out`) and
-    sampler-vs-trainer mismatch (docs/design.md §4)."""
-    m: dict[str, torch.Tensor] = {}
-    if ctx.max_turns:
-        m.update(turn_breakdown(out.ratio, lp, old, mb.advantages, ent, out.clipped,
-                                mb.loss_mask, mb.turn_ids, ctx.max_turns))
-    if mb.rollout_log_probs is not None:
-        m.update(sampler_mismatch(old, mb.rollout_log_probs, mb.loss_mask,
-                                  ctx.algo.spec.rollout_is.threshold))
-    return m
+                mask: torch.Tensor, ctx: UpdateContext) -> dict[str, torch.Tensor]:
+    """The minibatch's per-turn breakdown (from the loss's own ρ and κ, `out`, over the agent
+    tokens `mask` the loss aggregates) (docs/design.md §4)."""
+    if not ctx.max_turns:
+        return {}
+    return turn_breakdown(out.ratio, lp, old, mb.advantages, ent, out.clipped, mask, mb.turn_ids,
+                          ctx.max_turns, rollout_log_probs=mb.rollout_log_probs)

@@ -41,13 +41,17 @@ def _seed(seed: int, step: int, salt: str) -> int:
 
 
 def shape_batch(batch: Batch, cfg: Config, comps, rc: RolloutConfig, step: int,
-                salt: str) -> tuple[Batch, dict[str, float]]:
+                salt: str, sample: Callable[[list, int], Batch] | None = None,
+                ) -> tuple[Batch, dict[str, float]]:
     """The training batch from the step's rollout `batch` (the rollout itself when neither
     dynamic sampling nor overlong shaping is on) and their metrics. `comps`: the trainer's
-    Components; `salt` tells data-parallel ranks apart."""
+    Components; `salt` tells data-parallel ranks apart. `sample(questions, round)` rolls out a
+    refill (stale rollouts: by the step's older policies); None: the policy, seeded below."""
     a, metrics = cfg.algo, {}
     if a.dynamic_sampling.enabled:
         def roll(questions, r: int) -> Batch:
+            if sample is not None:
+                return sample(questions, r)
             gen = torch.Generator().manual_seed(_seed(cfg.seed, step, f"{salt}-refill{r}"))
             return rollout(comps.policy, comps.tokenizer, comps.env, questions, rc, generator=gen)
 

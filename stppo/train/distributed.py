@@ -9,7 +9,9 @@ of the global batch:
     gradients           all-reduced as a *sum* (one flat buffer per optimizer step), then clipped
                         and applied identically on every rank, so the replicas never drift
     whitening, λ        advantage whitening statistics, clip_bias/norm, the clip-triggered RMS
-                        ratio and the `grad` estimator's ‖C‖ are sums over ranks (`reduce`)
+                        ratio and the `grad` estimator's ‖C‖ are sums over ranks (`reduce`);
+                        the rollout correction's weights, masks and metrics are computed on
+                        every rank's rows (`gather_rows`)
     metrics             reduced once per step (mean, or max/min for *_max/*_min keys); rank 0 logs
 
 A single process is the same code with `world == 1` (every collective is the identity).
@@ -77,6 +79,30 @@ class Dist:
             return None
         d = self.all_sum(torch.stack([loss_mask.sum(), loss_mask.any(dim=1).sum()]).double())
         return d[0], d[1]
+
+    def gather_rows(self, *xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], slice]:
+        """Every rank's rows of the (n_r, T_r) tensors `xs`, concatenated in rank order (columns
+        padded with 0 / False to the widest rank's), and the slice of this rank's rows in them:
+        a statistic of the whole batch computed on them is the one-process batch's. Identity for a
+        single process."""
+        n, t = xs[0].shape
+        if not self.active:
+            return xs, slice(0, n)
+        dev = self.collective_device
+        sizes = [torch.zeros(2, dtype=torch.long, device=dev) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([n, t], dtype=torch.long, device=dev))
+        rows = [int(s[0]) for s in sizes]
+        width, most = max(int(s[1]) for s in sizes), max(rows)
+        out = []
+        for x in xs:
+            pad = torch.zeros(most, width, dtype=torch.float64, device=dev)
+            pad[:n, :t] = x.detach().to(dev, torch.float64)
+            parts = [torch.empty_like(pad) for _ in range(self.world)]
+            dist.all_gather(parts, pad)
+            full = torch.cat([p[:k] for p, k in zip(parts, rows)]).to(x.device)
+            out.append(full != 0 if x.dtype == torch.bool else full.to(x.dtype))
+        start = sum(rows[:self.rank])
+        return tuple(out), slice(start, start + n)
 
     def sync_grads(self, params: Sequence[torch.Tensor], bad: bool) -> bool:
         """Sum the gradients of `params` over ranks in one flat buffer; returns whether any rank

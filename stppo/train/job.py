@@ -42,9 +42,12 @@ def run_tags(cfg: Config) -> dict[str, str]:
 def run_params(cfg: Config) -> dict[str, str]:
     """The flattened config, plus what the trainer derives from it that a reader must know:
     `derived.old_log_prob_pass` — `skipped` when the update is provably on-policy and takes its
-    old log-probs from its own forward, else `computed` (a separate no-grad forward)."""
+    old log-probs from its own forward, `sampler` when a bypass-mode rollout correction takes the
+    sampler's (no forward), else `computed` (a separate no-grad forward)."""
     skipped = old_log_probs_from_update(cfg)
-    return {**flatten(asdict(cfg)), "derived.old_log_prob_pass": "skipped" if skipped else "computed"}
+    bypass = cfg.algo.spec.rollout_correction.bypass_mode
+    how = "skipped" if skipped else "sampler" if bypass else "computed"
+    return {**flatten(asdict(cfg)), "derived.old_log_prob_pass": how}
 
 
 class Terminated(BaseException):

@@ -1,13 +1,15 @@
 """The training loop, top to bottom (docs/design.md; cleanrl's shape):
 
     for step in 1..S:
-        rollout with π_old → old/ref log-probs, values → rewards → advantages (prepare.py)
+        rollout with π_old (or, with trainer.offpolicy.lag > 0, an older policy: offpolicy.py)
+        → old/ref log-probs, values → rewards → advantages (prepare.py)
         → ppo_epochs × minibatches of the policy loss, then the critic (update.py)
         → metrics of docs/design.md §4 → collapse detector, alarms (on_alarm: stop / rollback)
         → MLflow (one batch per step; sampled trajectories as tables, samples.py)
         → validation every `val_every` steps and at the last → checkpoint every `save_every`
 
-Sampling RNGs derive from (seed, step): a run resumed from a checkpoint replays exactly. Steps
+Sampling RNGs derive from (seed, step): a run resumed from a checkpoint (with the stale
+rollouts' snapshots of past policies, when on) replays exactly. Steps
 are logged in order and never twice: a rollback reloads the weights and optimizer states of the
 last checkpoint and the run goes on at the next step number.
 """
@@ -31,13 +33,15 @@ from stppo.algos import group_signal_fractions
 from stppo.alarms import AlarmSet
 from stppo.batch import Batch
 from stppo.cache import content_hash
-from stppo.config import Config
+from stppo.config import Config, OffPolicyConfig
 from stppo.diagnostics import CollapseDetector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
+from stppo.rollout.episodes import pad_token_id
 from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
+from stppo.train.offpolicy import StaleSampler, draw_lags, offpolicy_metrics
 from stppo.train.prepare import FORWARD_CHUNK, prepare_batch
 from stppo.train.samples import SampleRecorder
 from stppo.train.setup import Components
@@ -98,6 +102,8 @@ def run_dir_for(cfg: Config) -> Path:
     d = asdict(cfg)
     for k in ("resume", "progress"):
         d["trainer"].pop(k)
+    if d["trainer"]["offpolicy"] == asdict(OffPolicyConfig()):  # on-policy runs keep their folders
+        d["trainer"].pop("offpolicy")
     d.pop("tracking")
     name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{content_hash(d, length=8)}"
     return Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name
@@ -120,6 +126,11 @@ class Trainer:
                                  max_turns=cfg.task.max_turns if cfg.diagnostics.per_turn else 0)
         self.skip_old = old_log_probs_from_update(cfg)
         self.device = next(comps.policy.parameters()).device
+        # trainer.offpolicy.lag > 0: rollouts by older policies (their snapshots are state)
+        self.stale = (StaleSampler(tr.offpolicy, comps.policy, precision=comps.precision,
+                                   chunk=tr.micro_batch_size or FORWARD_CHUNK,
+                                   pad_id=pad_token_id(comps.tokenizer))
+                      if tr.offpolicy.lag > 0 else None)
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
@@ -135,13 +146,16 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "policy": self.c.policy.state_dict(),
-                "critic": self.c.critic.state_dict() if self.c.critic else None,
-                "actor_opt": self.actor_opt.state_dict(),
-                "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
-                "detector": self.detector.state_dict(), "opt_steps": self.ctx.opt_steps,
-                "val_history": self.val_history, "run_id": self.tracker.run_id,
-                "alarms": self.alarms.state_dict(), "rollbacks": self.rollbacks}
+        s = {"step": self.step, "policy": self.c.policy.state_dict(),
+             "critic": self.c.critic.state_dict() if self.c.critic else None,
+             "actor_opt": self.actor_opt.state_dict(),
+             "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
+             "detector": self.detector.state_dict(), "opt_steps": self.ctx.opt_steps,
+             "val_history": self.val_history, "run_id": self.tracker.run_id,
+             "alarms": self.alarms.state_dict(), "rollbacks": self.rollbacks}
+        if self.stale is not None:  # the past policies a resumed run samples with
+            s["offpolicy"] = self.stale.history.state_dict()
+        return s
 
     def load_state_dict(self, s: dict) -> None:
         self.step = s["step"]
@@ -151,6 +165,11 @@ class Trainer:
         if "alarms" in s:
             self.alarms.load_state_dict(s["alarms"])
             self.rollbacks = s["rollbacks"]
+        if self.stale is not None:  # (a checkpoint without snapshots: the history starts here)
+            if "offpolicy" in s:
+                self.stale.history.load_state_dict(s["offpolicy"])
+            else:
+                self.stale.history.restart(self.step)
         self._load_weights(s)
 
     def _load_weights(self, s: dict) -> None:
@@ -217,18 +236,31 @@ class Trainer:
         cfg, c, d = self.cfg, self.c, self.dist
         t0 = time.perf_counter()
         qs = sample_questions(c.task.split("train"), cfg.trainer.questions_per_step, cfg.seed, step)
-        qs = [q for q in d.shard(qs) for _ in range(cfg.trainer.group_size)]  # whole groups
         salt = "rollout" if d.rank == 0 else f"rollout-rank{d.rank}"
-        gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
         with c.precision.autocast():
-            rolled = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+            if self.stale is None:
+                qs = [q for q in d.shard(qs) for _ in range(cfg.trainer.group_size)]  # whole groups
+                gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
+                rolled = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
+                refill = None
+            else:  # each group by the policy of its lag; the lags of the whole step, then shards
+                lags = d.shard(draw_lags(cfg.trainer.offpolicy, len(qs), step_seed(cfg.seed, step, "lags")))
+                rolled = self._stale_rollout(step, d.shard(qs), lags, salt)
+                refill = self._stale_refill(step, salt)
             # DAPO's dynamic sampling / overlong shaping, when on (else the rollout itself):
-            batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, rollout_config(cfg), step, salt)
+            batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, rollout_config(cfg), step, salt,
+                                                   sample=refill)
+        if self.stale is not None:
+            self.stale.history.record(step, c.policy)  # θ_{step-1}, before this step's update
         batch = batch.to(self.device)  # the rollout packs on the CPU; the update runs on the model's
         t_roll = time.perf_counter() - t0
+        sampled = batch.loss_mask  # the agent tokens before a rollout correction's rejection
         batch, metrics = prepare_batch(batch, c.policy, c.critic, c.ref, cfg.algo, reduce=d.reduce,
                                        precision=c.precision, skip_old=self.skip_old,
+                                       gather=d.gather_rows if d.active else None,
                                        chunk=cfg.trainer.micro_batch_size or FORWARD_CHUNK)
+        if self.stale is not None:
+            metrics.update(offpolicy_metrics(batch, d.reduce, agent_mask=sampled))
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:
@@ -263,6 +295,31 @@ class Trainer:
                 self.tracker.set_tags({K.TAG_SAMPLES_STEPS: ",".join(map(str, self.samples.written))})
         return metrics
 
+    def _stale_rollout(self, step: int, groups: list[Question], lags: list[int], salt: str) -> Batch:
+        """The rank's groups, each rolled out by the policy of its lag (offpolicy.py); the rows
+        of age a draw from the generator of (seed, step, rank, a) — age 0's is the on-policy one."""
+        c, g = self.c, self.cfg.trainer.group_size
+        rc = rollout_config(self.cfg)
+
+        def roll(model, questions, gen, group_ids):
+            return rollout(model, c.tokenizer, c.env, questions, rc, group_ids=group_ids, generator=gen)
+
+        def generator(age: int) -> torch.Generator:
+            key = salt if age == 0 else f"{salt}-age{age}"
+            return torch.Generator().manual_seed(step_seed(self.cfg.seed, step, key))
+
+        return self.stale.sample(step, [q for q in groups for _ in range(g)], lags, roll, generator)
+
+    def _stale_refill(self, step: int, salt: str):
+        """DAPO's refill rollouts under stale rollouts: their groups draw lags too."""
+        g = self.cfg.trainer.group_size
+
+        def sample(questions: list, r: int) -> Batch:
+            n = len(questions) // g
+            lags = draw_lags(self.cfg.trainer.offpolicy, n, step_seed(self.cfg.seed, step, f"{salt}-refill{r}-lags"))
+            return self._stale_rollout(step, questions[::g], lags, f"{salt}-refill{r}")
+        return sample
+
     def _on_alarms(self, step: int, metrics: dict[str, float]) -> None:
         """Feed the alarms; log `alarm/<name>` for the ones that fire, then act (trainer.on_alarm)."""
         tr = self.cfg.trainer
@@ -274,6 +331,8 @@ class Trainer:
         elif fired and tr.on_alarm == "rollback" and self.rollbacks < tr.max_rollbacks:
             self.rollbacks += 1
             self._load_weights(self.snapshot)
+            if self.stale is not None:  # the rolled-back weights are the newest policy
+                self.stale.history.restart(step)
             self.alarms.rearm(fired)
             log.warning("stppo: alarm %s at step %d; rolled back to the last checkpoint, learning "
                         "rates x%g (rollback %d of at most %d)", ", ".join(fired), step,

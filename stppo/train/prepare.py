@@ -1,7 +1,11 @@
 """From a rollout to a training batch: π_old / π_ref log-probs, values, rewards, advantages.
 
     rollout (π_old) → old_log_probs, ref_log_probs, values → rewards (+ KL if in reward)
-                    → advantages and returns of the preset
+                    → rollout correction (decoupled mode) → advantages and returns of the preset
+
+The rollout correction (`algo.rollout_correction`, `stppo.train.rollout_corr`) acts here in
+decoupled mode, as verl's does before its advantages: the rejected tokens leave the loss mask and
+the IS weights join the batch. In bypass mode π_old is the sampler's π_rollout (no forward).
 
 Every forward computes the agent tokens only (the LM and value heads run on those positions)
 under the run's precision (autocast). When the update is provably on-policy (`skip_old`: see
@@ -9,7 +13,9 @@ under the run's precision (autocast). When the update is provably on-policy (`sk
 update takes the detached log-probs of its own forward, the same numbers, one forward less.
 
 The optimal token baseline (`OLD_POLICY_ESTIMATORS`) also reads Σ_v π_old(v)² of each agent token,
-from the same old-policy forward, and the TIS weights when the run has them. A loss mode that
+from the same old-policy forward, and the decoupled rollout correction's IS weights when the run
+has them (`Batch.rollout_is_weights`, as verl's `compute_advantage`); bypass mode, which has no
+old-policy forward, cannot give it Σπ² (one line). A loss mode that
 reads subsentences (SSPO, `LossMode.segments`) gets `Batch.segment_ids` from the token ids: a
 token ends a subsentence when its text contains one of `algo.subsentence_delimiters`, a table over
 the vocabulary that `build_components` attaches to the policy (`set_subsentence_ends`), since the
@@ -22,12 +28,13 @@ from dataclasses import replace
 
 import torch
 
-from stppo.algos import LOSS_MODES, compute_advantages, kl_in_reward, truncated_is_weights
+from stppo.algos import LOSS_MODES, compute_advantages, kl_in_reward
 from stppo.algos.advantages import OLD_POLICY_ESTIMATORS
 from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, delimiter_chars
 from stppo.models import Precision, policy_log_probs, policy_log_probs_sum_pi_squared
+from stppo.train.rollout_corr import Gather, sampler_log_probs, step_correction
 from stppo.metric_names import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
@@ -114,17 +121,23 @@ def masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, flo
 @torch.no_grad()
 def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
                   chunk: int = FORWARD_CHUNK, reduce=None, precision: Precision = Precision(),
-                  skip_old: bool = False) -> tuple[Batch, dict[str, float]]:
-    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats.
-    `chunk`: rows per forward (the run's `trainer.micro_batch_size` when set).
-    `reduce` (data parallelism: an all-reduce sum over ranks) makes advantage whitening global.
-    `skip_old`: leave old_log_probs None for the update to fill (an on-policy update)."""
+                  skip_old: bool = False, gather: Gather = None) -> tuple[Batch, dict[str, float]]:
+    """Fill old/ref log-probs, values, rewards, advantages and returns; return advantage stats
+    (and the decoupled rollout correction's metrics). `chunk`: rows per forward (the run's
+    `trainer.micro_batch_size` when set). `reduce` (data parallelism: an all-reduce sum over
+    ranks) makes advantage whitening global, `gather` (`Dist.gather_rows`) the rollout
+    correction's statistics. `skip_old`: leave old_log_probs None for the update to fill (an
+    on-policy update)."""
+    rc = algo.spec.rollout_correction
     otb = algo.advantage in OLD_POLICY_ESTIMATORS
-    if skip_old and otb:
-        raise ValueError(f"advantage={algo.advantage} reads the old policy's forward: skip_old=False")
+    if otb and (skip_old or rc.bypass_mode):
+        raise ValueError(f"advantage={algo.advantage} reads the old policy's forward: skip_old=False "
+                         "and no bypass-mode rollout correction")
     with precision.autocast():
         old = pi_sq = None
-        if not skip_old:
+        if rc.bypass_mode:  # π_old := π_rollout
+            old = sampler_log_probs(batch, rc)
+        elif not skip_old:
             was_training = policy.training
             policy.eval()
             if otb:
@@ -144,12 +157,17 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
         rewards, kl_m = kl_in_reward(rewards, old, ref_lp, batch.loss_mask,
                                      beta=algo.kl.coef, kind=algo.kl.estimator)
         metrics.update({k: float(v) for k, v in kl_m.items()})
+    if rc.decoupled:
+        if old is None:
+            raise ValueError("a decoupled rollout correction needs the old log-probs: skip_old=False")
+        batch, corr_m = step_correction(batch, old, rc, gather)
+        metrics.update(corr_m)
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
         gae_lambda=algo.gae_lambda, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce,
         old_log_probs=old, sum_pi_squared=pi_sq,
-        rollout_is_weights=_tis_weights(batch, old, algo) if otb else None)
+        rollout_is_weights=batch.rollout_is_weights if otb else None)
     mean, std, mx, mn = masked_stats(adv, batch.loss_mask)
     metrics.update({ADV_MEAN: mean, ADV_STD: std, ADV_MAX: mx, ADV_MIN: mn,
                     RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})
@@ -161,11 +179,3 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
                   advantages=adv, returns=ret, segment_ids=segs)
     return out, metrics
 
-
-def _tis_weights(batch: Batch, old: torch.Tensor, algo: AlgoConfig):
-    """The TIS weights ω (N, T) the optimal token baseline scales its energies by (ω², verl's
-    `rollout_is_weights` in the batch), or None without TIS (`algo.rollout_is`)."""
-    tis = algo.spec.rollout_is
-    if tis.kind == "none" or batch.rollout_log_probs is None:
-        return None
-    return truncated_is_weights(old, batch.rollout_log_probs, batch.loss_mask, tis.threshold)[0]

@@ -67,7 +67,8 @@ def sample_table(batch: Batch, rows: list[int], new_log_probs: torch.Tensor,
         q = questions.get(qid)
         head = (step, j, q.question if q else "", " | ".join(q.golden_answers) if q else "",
                 float(batch.scores[i]))
-        for seg, (role, turn, a, b) in enumerate(segments(batch.loss_mask[i], batch.turn_ids[i], length)):
+        agent = batch.turn_ids[i] >= 0  # the agent tokens (a rollout correction may reject some from the loss)
+        for seg, (role, turn, a, b) in enumerate(segments(agent, batch.turn_ids[i], length)):
             text = tokenizer.decode(batch.input_ids[i, a:b].tolist(), skip_special_tokens=False)
             ratio_mean = ratio_max = adv = float("nan")
             action = ""
@@ -106,7 +107,7 @@ class SampleRecorder:
         was = policy.training
         policy.eval()
         with self.precision.autocast():
-            new = policy_log_probs(policy, mb.input_ids, mb.attention_mask, positions=mb.loss_mask)
+            new = policy_log_probs(policy, mb.input_ids, mb.attention_mask, positions=mb.turn_ids >= 0)
         policy.train(was)
         # π_old: the recomputed log-probs, or — when the update took them from its own forward
         # (on-policy) — the sampler's, which are π_old's up to numerics.

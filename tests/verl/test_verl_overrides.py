@@ -29,20 +29,28 @@ def model_dir(tmp_path_factory) -> Path:
     return make_local_model(tmp_path_factory.mktemp("model"))
 
 
-def verl_compose(overrides: list[str]):
+# verl's entry module → (its @hydra.main config folder inside verl, config name)
+ENTRY_CONFIGS = {O.ENTRY_SYNC: ("trainer/config", "ppo_trainer"),
+                 O.ENTRY_ONE_STEP: ("experimental/one_step_off_policy/config", "one_step_off_ppo_trainer"),
+                 O.ENTRY_FULLY_ASYNC: ("experimental/fully_async_policy/config", "fully_async_ppo_trainer")}
+
+
+def verl_compose(overrides: list[str], entry: str = O.ENTRY_SYNC):
+    """verl's config as `python -m ENTRY OVERRIDES…` composes it (its own config file)."""
     import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    conf = Path(verl.__file__).parent / "trainer" / "config"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        return hydra_compose("ppo_trainer", overrides=overrides)
+    folder, name = ENTRY_CONFIGS[entry]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / folder), version_base=None):
+        return hydra_compose(name, overrides=overrides)
 
 
 def translate(stppo_overrides: list[str], model_dir: Path, hub_id: str | None = None):
-    """(stppo Config, verl config, built dataclasses) of one job."""
+    """(stppo Config, verl config, built dataclasses) of one job, composed with the config of the
+    trainer the launcher picks and checked as its entry module checks it."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
@@ -52,8 +60,10 @@ def translate(stppo_overrides: list[str], model_dir: Path, hub_id: str | None = 
     paths = [o for o in ov if o.endswith("model.path=" + (hub_id or str(model_dir)))]
     assert len(paths) == 2, "actor and critic model paths"
     ov = [o.split("=", 1)[0] + f"={model_dir}" if o in paths else o for o in ov]
-    c = verl_compose(ov)
-    validate_config(c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
+    entry = O.entry_module(cfg)
+    c = verl_compose(ov, entry)
+    if entry != O.ENTRY_FULLY_ASYNC:  # (the fully async trainer asserts its own: test below)
+        validate_config(c, use_reference_policy=need_reference_policy(c), use_critic=need_critic(c))
     built = {"actor": omega_conf_to_dataclass(c.actor_rollout_ref.actor),
              "rollout": omega_conf_to_dataclass(c.actor_rollout_ref.rollout),
              "algorithm": omega_conf_to_dataclass(c.algorithm),
@@ -148,10 +158,40 @@ def test_the_baselines_settings_reach_verl(model_dir):
     assert dict(b["actor"].policy_loss.spec["options"]) == dict(cfg.algo.loss_options)
     assert b["actor"].policy_loss.spec["options"]["tau_pos"] == 2.5
 
-    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_is.kind=token", "algo.rollout_is.threshold=3.0",
-                           f"model.path={model_dir}"], model_dir)
+    cfg, c, b = translate([*SMALL, "algo=ppo", "algo.rollout_correction=decoupled_token_is",
+                           "algo.rollout_correction_options.threshold=3.0", f"model.path={model_dir}"], model_dir)
     rc = b["algorithm"].rollout_correction
     assert (rc["rollout_is"], rc["rollout_is_threshold"]) == ("token", 3.0)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("none", []), ("decoupled_geo_rs", []), ("decoupled_seq_is_rs", ["rs_threshold='0.5_3'"]),
+    ("decoupled_token_icepop", ["threshold_lower=0.25"]), ("decoupled_k3_rs_token_tis", ["batch_normalize=true"]),
+    ("bypass_ppo_clip_k3_rs", []), ("bypass_pg_geo_rs_seq_tis", ["rs_threshold=0.99_1.01"])])
+def test_rollout_corrections_reach_verls_rollout_correction_config(model_dir, name, options):
+    """algo.rollout_correction → algorithm.rollout_correction.*: verl builds its own
+    RolloutCorrectionConfig with the name's fields (its classmethod's, with the run's options),
+    and the loss's spec carries the same correction (bypass mode is applied by the stppo_* loss)."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    cfg, c, b = translate([*SMALL, "algo=grpo", f"algo.rollout_correction={name}",
+                           *(f"algo.rollout_correction_options.{o}" for o in options),
+                           f"model.path={model_dir}"], model_dir)
+    ours = cfg.algo.spec.rollout_correction
+    from verl.utils.config import omega_conf_to_dataclass
+
+    built = omega_conf_to_dataclass(c.algorithm.rollout_correction, RolloutCorrectionConfig)
+    assert dict(b["algorithm"].rollout_correction) == {f: getattr(built, f) for f in built.keys()
+                                                       if f != "_target_"}
+    verl_name = "disabled" if name == "none" else name
+    args = {k: v for k, v in ours.options.items() if k != "batch_normalize"}
+    want = getattr(RolloutCorrectionConfig, verl_name)(**args)
+    for f in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type"):
+        assert getattr(built, f) == getattr(want, f), f
+    assert built.rollout_is_batch_normalize == ours.rollout_is_batch_normalize
+    assert LossSpec.from_dict(b["actor"].policy_loss.spec).rollout_correction == ours
+    if name == "decoupled_seq_is_rs":  # '0.5_3' stays a string on the way (Hydra reads 0.5_3 as 0.53)
+        assert built.rollout_rs_threshold == "0.5_3"
 
 
 def test_a_loss_other_than_the_presets_reaches_verl(model_dir):
@@ -229,3 +269,63 @@ def test_verls_own_loss_on_the_translated_config_is_the_runs_loss(preset, agg, m
         fracs = [floats(m) for m in want_m]
         assert max(m["actor/pg_clipfrac_lower"] for m in fracs) > 0
         assert max(m["actor/pg_clipfrac"] for m in fracs) > 0
+
+
+STALE = [*SMALL, "backend.n_gpus_per_node=8"]
+
+
+def rollout_correction(c):
+    """verl's RolloutCorrectionConfig built from the composed `algorithm.rollout_correction`."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.utils.config import omega_conf_to_dataclass
+
+    return omega_conf_to_dataclass(c.algorithm.rollout_correction, RolloutCorrectionConfig)
+
+
+def test_lag_one_composes_with_verls_one_step_off_policy_trainer(model_dir):
+    """trainer.offpolicy.lag=1: verl's one-step off-policy trainer (its own config over
+    ppo_trainer), rollout on half the node's GPUs, stppo's loss in the decoupled form."""
+    cfg, c, b = translate([*STALE, "algo=st_ppo", "trainer.offpolicy.lag=1", f"model.path={model_dir}"], model_dir)
+    assert O.entry_module(cfg) == O.ENTRY_ONE_STEP
+    assert not c.actor_rollout_ref.hybrid_engine and c.actor_rollout_ref.rollout.calculate_log_probs
+    assert (c.rollout.nnodes, c.rollout.n_gpus_per_node, c.trainer.n_gpus_per_node) == (1, 4, 4)
+    assert rollout_correction(c).bypass_mode is False  # π_old recomputed; stppo's loss, not verl's bypass_mode
+    assert b["actor"].policy_loss.loss_mode == "stppo_st_ppo"
+    assert c.data.train_batch_size == cfg.trainer.questions_per_step
+
+
+def test_verls_one_step_config_needs_the_package_search_path_from_an_installed_verl(model_dir):
+    """Its config's `file://verl/trainer/config` resolves only from a verl checkout's root; the
+    launcher's hydra.searchpath override makes `python -m` work from anywhere."""
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="ppo_trainer"):
+        verl_compose([], O.ENTRY_ONE_STEP)
+
+
+@pytest.mark.parametrize("lag", [2, 4])
+def test_larger_lags_compose_with_verls_fully_async_trainer(lag, model_dir):
+    """trainer.offpolicy.lag >= 2: verl's fully async trainer with staleness_threshold = lag,
+    a weight sync after every training step, a step = questions_per_step prompts; with a rollout
+    correction (verl computes it between the recomputed π_old and the rollout's log-probs)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg, c, b = translate(["backend=verl", "+experiment=paper_search", "algo=ppo", f"trainer.offpolicy.lag={lag}",
+                           "algo.rollout_correction=decoupled_token_is", "model=qwen2_5_1_5b"], model_dir, hub_id=QWEN["qwen2_5_1_5b"])
+    assert O.entry_module(cfg) == O.ENTRY_FULLY_ASYNC
+    at, t = c.async_training, cfg.trainer
+    assert (at.staleness_threshold, at.trigger_parameter_sync_step, at.partial_rollout) == (lag, 1, False)
+    # the checks of FullyAsyncRollouter.__init__ / _validate_config
+    assert c.data.train_batch_size == 0 and c.data.gen_batch_size == 1
+    assert at.staleness_threshold >= 0 and at.trigger_parameter_sync_step >= 1
+    assert c.actor_rollout_ref.rollout.calculate_log_probs and not c.actor_rollout_ref.hybrid_engine
+    # its batch arithmetic: a training step takes questions_per_step prompts; at most lag + 1
+    # steps' samples are generated per weight version; total_steps training steps
+    required = b["actor"].ppo_mini_batch_size * at.require_batches
+    assert required == t.questions_per_step
+    assert required * (at.staleness_threshold + 1) * at.trigger_parameter_sync_step == (lag + 1) * t.questions_per_step
+    assert c.rollout.total_rollout_steps // (required * at.trigger_parameter_sync_step) == t.total_steps
+    rc = rollout_correction(c)
+    assert rc.bypass_mode is False and (rc.rollout_is, rc.rollout_is_threshold) == ("token", 2.0)
+    assert b["actor"].policy_loss.loss_mode == "stppo_ppo" and b["critic"] is not None
+    assert omega_conf_to_dataclass(c.actor_rollout_ref.rollout).n == t.group_size

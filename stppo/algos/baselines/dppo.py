@@ -20,8 +20,8 @@ so ∇L = Σ w (−m A min(ρ, C)) ∇log π: the importance-sampling policy gra
 the region; m is detached. δ_low = clip_low, δ_high = clip_high (verl reads its clip_ratio_low /
 clip_ratio_high as these thresholds; the paper's 0.15 for TV and 0.05 for KL, per TRL's
 `DPPOConfig` that cites it); C = option `clip_ratio_c` (default 20: verl's and TRL's code default;
-verl's `ActorConfig.clip_ratio_c` default 3.0 is what a verl run gets unless it is set, and the
-authors' repository uses 10).
+verl's own loss reads `ActorConfig.clip_ratio_c`, default 3.0, which stppo's launcher sets to C;
+the authors' repository uses 10).
 
 Metrics, as verl's: κ_high = (A > 0) ∧ ¬m, κ_low = (A ≤ 0) ∧ ¬m (A = 0 counts as low, as verl
 does), so actor/pg_clipfrac = mean(1 − m); actor/pg_clipfrac_lower = the share of agent tokens

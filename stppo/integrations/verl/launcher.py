@@ -2,7 +2,8 @@
 
     open the MLflow run (stppo's tags + backend=verl, the flattened config as params)
     → checks before Ray starts (verl environment, GPUs, model, retrieval server) → convert the data
-    → `backend.python -m verl.trainer.main_ppo OVERRIDES…` with MLFLOW_TRACKING_URI and
+    → `backend.python -m verl.trainer.main_ppo OVERRIDES…` (for stale rollouts, trainer.offpolicy.lag
+      > 0, verl's one-step or fully async off-policy trainer) with MLFLOW_TRACKING_URI and
       MLFLOW_RUN_ID (also in Ray's runtime_env), so verl's own MLflow logger writes into the run
     → every backend.poll_s: the run monitor copies verl's metrics under stppo's names and applies
       the collapse rule and the online alarms; with trainer.stop_on_collapse (a collapse) or
@@ -36,11 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from stppo import metric_names as K
 from stppo.cache import content_hash
-from stppo.config import Config, to_config
+from stppo.config import Config, OffPolicyConfig, to_config
 from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
-from stppo.integrations.verl.overrides import (JobFiles, check_translatable, env_overrides, format_command,
-                                               model_source, per_turn_count, verl_overrides)
+from stppo.integrations.verl.overrides import (JobFiles, check_translatable, entry_module, env_overrides,
+                                               format_command, model_source, per_turn_count, verl_overrides)
 from stppo.tracker import Tracker, absolute_uri, flatten, resolve_uri
 from stppo.mlflow_store import call
 
@@ -106,6 +107,10 @@ def job_dir(cfg: Config) -> Path:
         d["trainer"].pop(k)
     for k in ("dry_run", "poll_s", "stop_grace_s", "python"):
         d["backend"].pop(k)
+    if d["backend"]["rollout_gpus_per_node"] is None:  # settings added later keep old folders
+        d["backend"].pop("rollout_gpus_per_node")
+    if d["trainer"]["offpolicy"] == asdict(OffPolicyConfig()):
+        d["trainer"].pop("offpolicy")
     d.pop("tracking")
     name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-verl-{content_hash(d, length=8)}"
     return (Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name).resolve()
@@ -115,7 +120,7 @@ def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str |
     data = D.planned(cfg)
     files = JobFiles(str(data.train), str(data.val), str(data.tool_config), str(job_dir(cfg) / "checkpoints"))
     env = {"MLFLOW_TRACKING_URI": absolute_uri(resolve_uri(uri or cfg.tracking.uri)), "MLFLOW_RUN_ID": run_id}
-    argv = [python or cfg.backend.python, "-m", cfg.backend.entry, *verl_overrides(cfg, files), *env_overrides(env)]
+    argv = [python or cfg.backend.python, "-m", entry_module(cfg), *verl_overrides(cfg, files), *env_overrides(env)]
     return Plan(argv, env, data)
 
 

@@ -22,7 +22,13 @@ mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
   `LossSpec` that the launcher sends (`config.policy_loss.spec`, `StppoPolicyLossConfig`), else
   from the preset with the config's knobs τ, estimator, granularity, options (`config.py`);
 - per-turn metrics for turns 0..K−1, K = `config.policy_loss.max_turns` (`DEFAULT_MAX_TURNS`
-  without it; 0 = none), in the token-weighted form of `verl_turn_metrics`.
+  without it; 0 = none), in the token-weighted form of `verl_turn_metrics`;
+- the rollout correction (`spec.rollout_correction`): in decoupled mode verl's driver computed the
+  IS weights (`rollout_is_weights`, applied as by verl's own losses) and the rejection (in
+  `response_mask`); in bypass mode verl's v1 trainer sets old_log_prob := the sampler's, and this
+  loss corrects as verl's `compute_policy_loss_bypass_mode` does (`bypass_correction`): weights
+  and rejection from the micro-batch's log_prob (detached) against it, the `rollout_corr/*`
+  metrics of that comparison, `reinforce` in place of the preset's loss for loss_type reinforce.
 
 A loss mode that reads subsentences (SSPO) cannot run here: verl passes no token ids to a policy
 loss, so its `stppo_<preset>` loss is one clear error (and the launcher rejects it before Ray).
@@ -34,9 +40,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from stppo.algos import LOSS_MODES, PRESETS, Correction, LossSpec, policy_loss
+from stppo.algos import LOSS_MODES, PRESETS, Correction, LossSpec, policy_loss, sampler_mismatch
 from stppo.algos.aggregation import agg_denoms
 from stppo.algos.breakdown import turn_breakdown
+from stppo.algos.rollout_corr import DIAGNOSTIC_IS_THRESHOLD, rollout_correction
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.integrations.verl import loss_mode
 from stppo.integrations.verl.metrics import TURN_WEIGHT, TURN_WEIGHTED
@@ -170,7 +177,7 @@ def verl_turn_metrics(ratio: torch.Tensor, clipped: torch.Tensor, log_prob: torc
     a different number of times — a key present only where the turn has tokens would stop a
     data-parallel update. The ratio of the two averages is the turn's token mean over the
     mini-batch (micro-batches of equal rows); the run monitor divides (`metrics.turn_copies`).
-    `turn/k{k}/entropy` is left out: verl passes a policy loss no entropy. Tensors (N, T)."""
+    `turn/k{k}/entropy` and `rollout_kl` are left out (`metrics.TURN_UNAVAILABLE`). Tensors (N, T)."""
     if max_turns < 1:
         return {}
     zero = ratio.new_zeros(())
@@ -196,6 +203,29 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(keys, values))
 
 
+def _dp_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over verl's data-parallel ranks (verl's `distributed_masked_mean` sums over the default
+    process group)."""
+    y = x.detach().clone()
+    torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.SUM)
+    return y
+
+
+def bypass_correction(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
+                      rc: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], dict[str, torch.Tensor]]:
+    """Bypass mode in one micro-batch, as verl's `compute_policy_loss_bypass_mode`: (the kept agent
+    tokens, the IS weights the loss applies or None, the `rollout_corr/*` metrics) from the current
+    log-probs (detached) against the sampler's. The IS batch normaliser is the micro-batch's over
+    verl's ranks (`distributed_masked_mean`). Tensors (N, T)."""
+    dist = torch.distributed
+    reduce = _dp_sum if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+    lp = log_prob.detach()
+    c = rollout_correction(lp, rollout_log_prob, mask, rc, reduce=reduce)
+    threshold = None if rc.rollout_is is not None else DIAGNOSTIC_IS_THRESHOLD
+    metrics = {**sampler_mismatch(lp, rollout_log_prob, mask, threshold), **c.metrics}
+    return c.loss_mask, c.weights if rc.applies_weights else None, metrics
+
+
 def make_verl_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
     """verl's policy-loss function of preset `name`, to register as `loss_mode(name)`."""
 
@@ -207,17 +237,20 @@ def make_verl_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, flo
         spec = verl_spec(name, loss_agg_mode, config)
         info = getattr(config, "global_batch_info", None) or {}
         turn_ids = turn_ids_from_mask(mask)  # (N, T)
-        out = policy_loss(log_prob, old_log_prob, advantages, mask, turn_ids, spec,
-                          global_denoms=verl_global_denoms(mask, spec.loss_agg, **dict(info)),
-                          rollout_is_weights=rollout_is_weights)
-        metrics = out.metrics
+        denoms = verl_global_denoms(mask, spec.loss_agg, **dict(info))  # all agent tokens
+        kept, weights, corr = mask, rollout_is_weights, {}
+        if spec.rollout_correction.bypass_mode:  # old_log_prob is the sampler's
+            kept, weights, corr = bypass_correction(log_prob, old_log_prob, mask, spec.rollout_correction)
+        out = policy_loss(log_prob, old_log_prob, advantages, kept, turn_ids, spec,
+                          global_denoms=denoms, rollout_is_weights=weights)
+        metrics = {**out.metrics, **corr}
         with torch.no_grad():
             if PG_CLIPFRAC_LOWER not in metrics:  # DPPO returns its own (its truncation's share)
                 metrics[PG_CLIPFRAC_LOWER] = (
-                    dual_clip_fraction(out.ratio, advantages, mask, spec.dual_clip)
+                    dual_clip_fraction(out.ratio, advantages, kept, spec.dual_clip)
                     if spec.dual_clip is not None else out.ratio.new_zeros(()))
             metrics.update(verl_turn_metrics(out.ratio, out.clipped, log_prob, old_log_prob,
-                                             advantages, mask, turn_ids, _max_turns(config)))
+                                             advantages, kept, turn_ids, _max_turns(config)))
         return out.loss, metrics_to_floats(metrics)
 
     loss_fn.__name__ = loss_fn.__qualname__ = loss_mode(name)

@@ -45,9 +45,11 @@ def as_logged(key: str) -> str:
 
 
 # The per-turn metrics stppo's verl loss returns: `tokens` as is, the others weighted by it; no
-# entropy (verl passes a policy loss none).
+# entropy and no rollout_kl (verl passes a policy loss neither the entropy nor the sampler's
+# log-probs beside π_old).
 TURN_WEIGHT = "tokens"
-TURN_WEIGHTED: tuple[str, ...] = tuple(n for n in K.TURN_METRICS if n not in (TURN_WEIGHT, "entropy"))
+TURN_UNAVAILABLE: tuple[str, ...] = ("entropy", "rollout_kl")
+TURN_WEIGHTED: tuple[str, ...] = tuple(n for n in K.TURN_METRICS if n not in (TURN_WEIGHT, *TURN_UNAVAILABLE))
 
 
 def val_key(data_source: str, n: int = 1) -> str:

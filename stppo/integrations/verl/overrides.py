@@ -1,5 +1,6 @@
 """stppo's composed config → the overrides of `python -m verl.trainer.main_ppo` (verl 0.9.1's
-`ppo_trainer` config). Pure: no verl import, nothing started; `launcher.py` runs the command.
+`ppo_trainer` config), or of verl's off-policy trainers for stale rollouts (`entry_module`).
+Pure: no verl import, nothing started; `launcher.py` runs the command.
 
 What maps to what (one line per stppo setting; anything not listed has no verl counterpart and
 is rejected by `check_translatable` when it would change the run):
@@ -16,7 +17,10 @@ is rejected by `check_translatable` when it would change the run):
   loss options of dppo_*/dro clip_ratio_c → actor.clip_ratio_c, beta → policy_loss.dro_beta: the
                              keys verl's own dppo_tv, dppo_kl, dro read (VERL_LOSS_MODES)
   algo.loss_agg              actor.loss_agg_mode
-  algo.rollout_is            algorithm.rollout_correction.rollout_is=token, rollout_is_threshold
+  algo.rollout_correction    algorithm.rollout_correction.<field> for verl's seven fields (rollout_is,
+                             rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+                             rollout_rs_threshold, bypass_mode, loss_type) of the name and its options
+                             (none: verl's default, the mismatch metrics only); the spec carries it too
   algo.dynamic_sampling      algorithm.filter_groups (enable, metric=reward, max_num_gen_batches)
   algo.overlong              reward.reward_manager.name=dapo, reward.reward_kwargs.overlong_buffer_cfg
   algo.kl (coef, estimator)  in_reward: algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.kl_coef;
@@ -34,6 +38,14 @@ is rejected by `check_translatable` when it would change the run):
   model                      actor_rollout_ref.model.path = critic.model.path; dtype; checkpointing
   backend                    trainer.nnodes, n_gpus_per_node, rollout engine, TP, micro-batches
   tracking                   trainer.logger=[console,mlflow], project = tracking.experiment
+  trainer.offpolicy.lag      1: verl.experimental.one_step_off_policy.main_ppo; ≥ 2:
+                             verl.experimental.fully_async_policy.fully_async_main with
+                             async_training.staleness_threshold=lag, trigger_parameter_sync_step=1,
+                             partial_rollout=false, require_batches = questions_per_step /
+                             ppo_mini_batch_size; both with
+                             rollout_correction.bypass_mode=false (stppo's loss, π_old recomputed),
+                             hybrid_engine=false and backend.rollout_gpus_per_node GPUs of each
+                             node for the rollout (docs/design.md §8.2); lag_mode=uniform: rejected
 """
 
 from __future__ import annotations
@@ -44,9 +56,19 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from stppo.algos.rollout_corr.presets import FIELDS as ROLLOUT_CORRECTION_FIELDS
 from stppo.config import Config
 from stppo.integrations.verl import POLICY_LOSS_TARGET as LOSS_CONFIG_TARGET
 from stppo.integrations.verl import loss_mode
+
+# verl's entry modules: the synchronous trainer, and its off-policy trainers (stale rollouts)
+ENTRY_SYNC = "verl.trainer.main_ppo"
+ENTRY_ONE_STEP = "verl.experimental.one_step_off_policy.main_ppo"
+ENTRY_FULLY_ASYNC = "verl.experimental.fully_async_policy.fully_async_main"
+OFFPOLICY_ENTRIES = (ENTRY_ONE_STEP, ENTRY_FULLY_ASYNC)
+# The one-step trainer's config names `file://verl/trainer/config` as its search path, which only
+# resolves from a verl source checkout's root; an installed verl needs the package path.
+VERL_CONFIG_SEARCHPATH = ["pkg://verl.trainer.config"]
 
 GRAD_ESTIMATOR_ERROR = ("the 'grad' estimator needs the policy parameters, which verl does not "
                         "pass to a policy loss; use algo.correction.estimator=token with backend=verl")
@@ -153,6 +175,7 @@ def check_translatable(cfg: Config) -> None:
         raise ValueError(f"trainer.minibatch_size={t.minibatch_size} must be a multiple of trainer.group_size="
                          f"{t.group_size} with backend=verl (verl's mini-batches are whole prompt groups)")
     verl_lengths(cfg)
+    _check_rollout_correction(cfg)
     if not cfg.tracking.enabled:
         raise ValueError("tracking.enabled=false: backend=verl follows verl through its MLflow run; "
                          "enable tracking (tracking.uri=… for another store)")
@@ -163,6 +186,86 @@ def check_translatable(cfg: Config) -> None:
         raise ValueError("task.prompt_style=compact is for stppo's random-init models; backend=verl sends "
                          "Search-R1's instruction as a chat prompt: set task.prompt_style=search_r1")
     model_source(cfg)
+    entry_module(cfg)
+    if t.offpolicy.lag > 0:
+        _check_offpolicy(cfg)
+
+
+def entry_module(cfg: Config) -> str:
+    """The module verl runs: `backend.entry` for an on-policy run; for trainer.offpolicy.lag = 1
+    verl's one-step off-policy trainer, for larger lags its fully asynchronous one (which
+    `backend.entry` may also name for lag 1). ValueError (one line) for what verl cannot run."""
+    lag, mode, entry = cfg.trainer.offpolicy.lag, cfg.trainer.offpolicy.lag_mode, cfg.backend.entry
+    if lag == 0:
+        if entry in OFFPOLICY_ENTRIES:
+            raise ValueError(f"backend.entry={entry} is one of verl's off-policy trainers, which have no "
+                             "on-policy setting (staleness 0 is not the synchronous trainer); set "
+                             "trainer.offpolicy.lag >= 1, or leave backend.entry at " + ENTRY_SYNC)
+        return entry
+    if mode != "fixed":
+        raise ValueError(f"trainer.offpolicy.lag_mode={mode}: verl's off-policy trainers have no per-group "
+                         "lag draw (their staleness comes from the rollout's pace); use lag_mode=fixed with "
+                         "backend=verl, or the own trainer")
+    if entry == ENTRY_SYNC:
+        return ENTRY_ONE_STEP if lag == 1 else ENTRY_FULLY_ASYNC
+    if entry == ENTRY_FULLY_ASYNC or (entry == ENTRY_ONE_STEP and lag == 1):
+        return entry
+    raise ValueError(f"backend.entry={entry} cannot run trainer.offpolicy.lag={lag}: the lag picks verl's "
+                     f"trainer ({ENTRY_ONE_STEP} for lag 1, {ENTRY_FULLY_ASYNC} for any); leave "
+                     f"backend.entry at {ENTRY_SYNC}")
+
+
+def rollout_gpus(cfg: Config) -> int:
+    """GPUs per node that verl's off-policy trainers give the rollout (the rest train)."""
+    b = cfg.backend
+    return b.rollout_gpus_per_node if b.rollout_gpus_per_node is not None else b.n_gpus_per_node // 2
+
+
+def _check_offpolicy(cfg: Config) -> None:
+    """What verl's off-policy trainers need beyond the synchronous trainer (one line each)."""
+    t, b = cfg.trainer, cfg.backend
+    if b.n_gpus_per_node < 2:
+        raise ValueError(f"trainer.offpolicy.lag={t.offpolicy.lag} with backend=verl needs >= 2 GPUs per node "
+                         "(verl's off-policy trainers roll out and train on separate GPUs); raise "
+                         "backend.n_gpus_per_node")
+    if rollout_gpus(cfg) % b.rollout_tp:
+        raise ValueError(f"backend.rollout_tp={b.rollout_tp} must divide the rollout's {rollout_gpus(cfg)} GPUs "
+                         "per node under trainer.offpolicy.lag > 0; set backend.rollout_gpus_per_node")
+    if cfg.algo.dynamic_sampling.enabled:
+        raise ValueError("algo.dynamic_sampling with trainer.offpolicy.lag > 0: verl's off-policy trainers have "
+                         "no group filtering (algorithm.filter_groups); set "
+                         "algo.dynamic_sampling.enabled=false or use the own trainer")
+    prompts = t.minibatch_size // t.group_size
+    if entry_module(cfg) == ENTRY_FULLY_ASYNC and t.questions_per_step % prompts:
+        raise ValueError(f"trainer.questions_per_step={t.questions_per_step} must be a multiple of "
+                         f"trainer.minibatch_size / group_size = {prompts} with trainer.offpolicy.lag="
+                         f"{t.offpolicy.lag} under verl (its fully async trainer takes a step's batch as "
+                         "whole mini-batches: async_training.require_batches)")
+
+
+def _overridden(cfg: Config, key: str) -> Any:
+    """The value `backend.overrides` gives verl's `key` (last one wins), or None."""
+    found = None
+    for o in cfg.backend.overrides:
+        k, _, v = str(o).lstrip("+~").partition("=")
+        if k == key:
+            found = v.strip().strip("'\"").lower()
+    return found
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """A rollout correction needs verl's rollout log-probs; bypass mode needs verl's v1 trainer
+    (the legacy one swaps the stppo_* loss for its own `bypass_mode` loss)."""
+    rc = cfg.algo.spec.rollout_correction
+    if rc.name == "none":
+        return
+    if _overridden(cfg, f"{ROLLOUT}.calculate_log_probs") == "false":
+        raise ValueError(f"algo.rollout_correction={rc.name} needs the sampler's log-probs: drop "
+                         f"{ROLLOUT}.calculate_log_probs=false from backend.overrides")
+    if rc.bypass_mode and _overridden(cfg, "trainer.use_v1") == "false":
+        raise ValueError(f"algo.rollout_correction={rc.name} (bypass mode) with trainer.use_v1=false: "
+                         "verl's legacy trainer replaces stppo's loss with its own bypass_mode loss; "
+                         "drop trainer.use_v1=false from backend.overrides")
 
 
 def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
@@ -170,6 +273,8 @@ def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
     check_translatable(cfg)
     o: dict[str, Any] = {}
     o.update(_data(cfg, files))
+    if cfg.trainer.offpolicy.lag > 0:  # the decoupled form (a rollout correction may say otherwise)
+        o["algorithm.rollout_correction.bypass_mode"] = False
     o.update(_algorithm(cfg))
     o.update(_actor(cfg))
     o.update(_rollout(cfg, files))
@@ -178,6 +283,7 @@ def verl_overrides(cfg: Config, files: JobFiles) -> list[str]:
     o.update(_trainer(cfg, files))
     o["reward.custom_reward_function.path"] = REWARD_PATH
     o["reward.custom_reward_function.name"] = REWARD_NAME
+    o.update(_offpolicy(cfg))
     return [f"{k}={fmt(v)}" for k, v in o.items()] + list(cfg.backend.overrides)
 
 
@@ -200,9 +306,10 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
                   "algorithm.kl_ctrl.kl_coef": a.kl.coef})
-    if a.rollout_is.kind != "none":  # verl computes the TIS weights and passes them to the loss
-        o.update({"algorithm.rollout_correction.rollout_is": a.rollout_is.kind,
-                  "algorithm.rollout_correction.rollout_is_threshold": a.rollout_is.threshold})
+    rc = a.spec.rollout_correction
+    if rc.name != "none":  # decoupled: verl's driver computes weights and mask before the
+        # advantages; bypass: its trainer sets π_old := π_rollout and the stppo_* loss corrects
+        o.update({f"algorithm.rollout_correction.{f}": getattr(rc, f) for f in ROLLOUT_CORRECTION_FIELDS})
     if a.dynamic_sampling.enabled:  # verl's own group filtering (its refill rule, not stppo's)
         o.update({"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "reward",
                   "algorithm.filter_groups.max_num_gen_batches": a.dynamic_sampling.max_rounds + 1})
@@ -304,12 +411,43 @@ def _trainer(cfg: Config, files: JobFiles) -> dict[str, Any]:
     }
 
 
+def _offpolicy(cfg: Config) -> dict[str, Any]:
+    """Stale rollouts (trainer.offpolicy.lag > 0) in verl's off-policy trainers (docs/design.md
+    §8.2): a rollout on GPUs of its own that syncs weights after every training step; the one-step
+    trainer is lag 1 exactly, the fully async one keeps at most `lag` steps' batches in flight."""
+    t, b = cfg.trainer, cfg.backend
+    if t.offpolicy.lag == 0:
+        return {}
+    entry, gpus = entry_module(cfg), rollout_gpus(cfg)
+    o: dict[str, Any] = {
+        "actor_rollout_ref.hybrid_engine": False, f"{ROLLOUT}.calculate_log_probs": True,
+        "rollout.nnodes": b.nnodes, "rollout.n_gpus_per_node": gpus,
+        "trainer.n_gpus_per_node": b.n_gpus_per_node - gpus,
+    }
+    if entry == ENTRY_ONE_STEP:
+        o["hydra.searchpath"] = VERL_CONFIG_SEARCHPATH
+    else:  # one trainer step = questions_per_step prompts = require_batches mini-batches
+        prompts = t.minibatch_size // t.group_size
+        o.update({"async_training.staleness_threshold": t.offpolicy.lag,
+                  "async_training.trigger_parameter_sync_step": 1,
+                  # a trajectory cut by a weight sync is dropped, not resumed by the new weights:
+                  # each trajectory comes from one policy, as in the own trainer
+                  "async_training.partial_rollout": False,
+                  "async_training.require_batches": t.questions_per_step // prompts,
+                  "data.train_batch_size": 0, "data.gen_batch_size": 1,
+                  "rollout.total_rollout_steps": t.total_steps * t.questions_per_step})
+    return o
+
+
 def env_overrides(env: Mapping[str, str]) -> list[str]:
     """Environment variables for verl's Ray workers (its MLflow logger runs in a Ray actor)."""
     return [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={fmt(v)}" for k, v in env.items()]
 
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:~+-]+$")
+# Strings Hydra's grammar may read as a number ('0.5_2' is 0.52, '1_000' 1000; 'inf', 'nan'):
+# quoted, so a threshold 'lower_upper' stays a string.
+_NUMBER_LIKE = re.compile(r"^[+-]?([0-9_.]+([eE][+-]?[0-9_]+)?|inf|nan)$", re.IGNORECASE)
 
 
 def flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -340,7 +478,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{fmt(v)}" for k, v in value.items()) + "}"
     text = str(value)
-    if _PLAIN.match(text) and text not in ("null", "true", "false"):
+    if _PLAIN.match(text) and text not in ("null", "true", "false") and not _NUMBER_LIKE.match(text):
         return text
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

@@ -1,0 +1,40 @@
+"""The bypass-mode REINFORCE loss (verl 0.9.1 `compute_policy_loss_reinforce`, reached through
+`compute_policy_loss_bypass_mode` with loss_type 'reinforce'). docs/design.md §2, "Rollout
+correction".
+
+In bypass mode π_old is the sampler's π_rollout and the loss is a plain policy gradient with
+explicit importance weights instead of PPO's clipped ratio:
+
+    s_t = −ω_t A_t log π_θ(y_t),   L = agg(s)          ∇L = −agg(ω A ∇log π_θ)
+
+ω (detached) are the correction's IS weights between π_θ and π_rollout (truncated or IcePop,
+token or sequence level), 1 without any. Metrics: the clip path's keys of the ratio
+ρ = π_θ / π_rollout (what a clipped surrogate at the spec's range would clip: κ, its fractions,
+ρ's mean and max, −δ as actor/ppo_kl — verl's only metric here), with the clipping bias of the
+generalised definition (`stppo.algos.baselines.common`): g_t = −ω_t A_t, so b_t = (ρ_t − ω_t) A_t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.surrogate import clipped_surrogate
+
+
+def reinforce_loss(log_probs, rollout_log_probs, advantages, loss_mask, turn_ids, *, clip_low,
+                   clip_high, loss_agg, dual_clip=None, global_denoms=None, reduce=None,
+                   rollout_is_weights=None, **_):
+    """(loss, metrics) of the bypass REINFORCE loss; tensors (N, T) as `policy_loss`, with
+    old_log_probs = π_rollout's."""
+    v = token_view(log_probs, rollout_log_probs, advantages, loss_mask, loss_agg, global_denoms,
+                   reduce, rollout_is_weights)
+    lp = torch.where(loss_mask, log_probs, 0.0).to(v.delta.dtype)  # (N, T) garbage → 0 first
+    s = weighted(v, -v.adv * lp)  # (N, T) −ω A log π
+    loss = assemble(v, s)
+    with torch.no_grad():
+        rho = v.ratio.detach()  # (N, T)
+        omega = torch.ones_like(rho) if v.is_w is None else v.is_w
+        sur = clipped_surrogate(rho, v.adv, clip_low, clip_high, dual_clip)
+        bias = (rho - omega) * v.adv  # (N, T)
+    return loss, metrics(v, loss, s, sur.clipped_high, sur.clipped_low, bias, reduce)
