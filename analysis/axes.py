@@ -3,7 +3,7 @@
 * level — the run's MLflow experiment (`frontier_l1`, …): how far the update moves from the
   policy that sampled (actor lr × PPO epochs × minibatches, `conf/level/`);
 * lag — the param `trainer.offpolicy.lag` (k ≥ 0: the batch of step t was sampled by the policy
-  as it was after step t − k); a run without it (older runs) has lag 0. Its
+  k updates older than the one it trains, θ_{t−1−k}; docs/design.md §8); a run without it (older runs) has lag 0. Its
   `trainer.offpolicy.lag_mode` (fixed | uniform; `fixed` when absent) is kept as a dimension of its
   own: a lag-k cell of each mode is a cell;
 * correction — the param `algo.rollout_correction` (`none` when absent or `none`): a preset run

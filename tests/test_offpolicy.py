@@ -5,6 +5,7 @@ uniform mode are seeded, a lag-0 run is the on-policy run, and a stale run resum
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 import os
 import shutil
@@ -144,8 +145,8 @@ def test_uniform_lags_are_in_range_vary_across_groups_and_follow_the_seed():
 
 
 def test_offpolicy_metrics_by_hand_and_over_the_sampled_tokens():
-    """lag_mean over groups, lag_max, and kl_to_current = mean over agent tokens of
-    log π_stale − log π_old (rows of age 0 count 0) — over the tokens as sampled: a decoupled
+    """lag_mean over groups, lag_max, and kl_to_current = mean over agent tokens of k3 =
+    e^r − 1 − r, r = log π_old − log π_stale (rows of age 0 count 0) — over the tokens as sampled: a decoupled
     correction that rejected every token of the prepared batch leaves the distance as it was."""
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
     old = torch.full((4, 4), -1.0)
@@ -155,11 +156,37 @@ def test_offpolicy_metrics_by_hand_and_over_the_sampled_tokens():
               scores=torch.zeros(4), old_log_probs=old, stale_log_probs=stale,
               rollout_lags=torch.tensor([3, 3, 0, 0]))
     m = offpolicy_metrics(b)
-    kl = ((-0.5 + 1) + (-0.7 + 1) + (-0.9 + 1) + 0 + (-0.8 + 1)) / 8  # 8 agent tokens in all
+    k3 = lambda r: math.exp(r) - 1 - r  # noqa: E731  r = log π_live − log π_stale
+    kl = (k3(-1 + 0.5) + k3(-1 + 0.7) + k3(-1 + 0.9) + k3(-1 + 1.0) + k3(-1 + 0.8)) / 8  # 8 agent tokens
     assert (m[K.OFFPOLICY_LAG_MEAN], m[K.OFFPOLICY_LAG_MAX]) == (1.5, 3.0)
     assert m[K.OFFPOLICY_KL_TO_CURRENT] == pytest.approx(kl, rel=1e-6)
     rejected = replace(b, loss_mask=torch.zeros_like(mask))
     assert offpolicy_metrics(rejected, agent_mask=mask) == m
+
+
+def test_the_live_policy_is_pi_old_or_in_bypass_mode_its_own_forward():
+    """kl_to_current measures against θ_{t−1}: the recomputed π_old, or — in bypass mode, where
+    π_old is the sampler's — a forward of the live policy."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stppo.models import Precision
+    from stppo.train.offpolicy import live_log_probs
+
+    torch.manual_seed(0)
+    policy = Qwen2ForCausalLM(Qwen2Config(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)).train()
+    ids = torch.randint(0, 30, (3, 7))
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    mask[:, 3:] = True
+    b = Batch(input_ids=ids, attention_mask=torch.ones(3, 7, dtype=torch.bool), loss_mask=mask,
+              turn_ids=torch.where(mask, 0, -1), group_ids=torch.zeros(3, dtype=torch.long), scores=torch.zeros(3),
+              old_log_probs=torch.full((3, 7), -9.0))  # bypass: the sampler's
+    assert live_log_probs(b, policy, False, Precision(), 2) is b.old_log_probs
+    got = live_log_probs(b, policy, True, Precision(), 2)
+    assert policy.training  # its mode restored
+    with torch.no_grad():
+        want = policy_log_probs(policy.eval(), ids, b.attention_mask, positions=mask)
+    torch.testing.assert_close(got[mask], want[mask])
 
 
 def test_the_history_keeps_what_later_steps_read_and_restarts_at_a_rollback():

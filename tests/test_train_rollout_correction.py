@@ -149,14 +149,19 @@ def test_run_py_trains_with_every_rollout_correction_on_stale_rollouts(tmp_path)
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("stppo").experiment_id])
     assert sorted(r.data.params["algo.rollout_correction"] for r in runs) == names
+    kls = []
     for r in runs:
         name = r.data.params["algo.rollout_correction"]
         assert r.info.status == "FINISHED", (name, r.data.tags.get("error"))
         hist = {k: [m.value for m in client.get_metric_history(r.info.run_id, k)]
-                for k in (K.ROLLOUT_CORR_KL, K.OFFPOLICY_LAG_MAX, K.PG_LOSS)}
+                for k in (K.ROLLOUT_CORR_KL, K.OFFPOLICY_LAG_MAX, K.OFFPOLICY_KL_TO_CURRENT, K.PG_LOSS)}
         assert len(hist[K.ROLLOUT_CORR_KL]) == 2 and hist[K.OFFPOLICY_LAG_MAX] == [0.0, 1.0], name
+        kls.append(hist[K.OFFPOLICY_KL_TO_CURRENT][1])
         fields, _ = resolve(name)
         if fields["rollout_rs"] is not None:
             assert K.ROLLOUT_RS_MASKED_FRACTION in r.data.metrics, name
         if fields["rollout_is"] is not None:
             assert K.ROLLOUT_IS_MEAN in r.data.metrics, name
+    # KL(θ_0 ‖ θ_1) of step 2 (k3, ≥ 0): every run took the same first step up to the
+    # correction's rounding, bypass runs measure against the live policy too, not the sampler
+    assert min(kls) > 1e-4 and max(kls) < 3 * min(kls), kls

@@ -41,7 +41,7 @@ from stppo.rollout.episodes import pad_token_id
 from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
-from stppo.train.offpolicy import StaleSampler, draw_lags, offpolicy_metrics
+from stppo.train.offpolicy import StaleSampler, draw_lags, live_log_probs, offpolicy_metrics
 from stppo.train.prepare import FORWARD_CHUNK, prepare_batch
 from stppo.train.samples import SampleRecorder
 from stppo.train.setup import Components
@@ -260,7 +260,9 @@ class Trainer:
                                        gather=d.gather_rows if d.active else None,
                                        chunk=cfg.trainer.micro_batch_size or FORWARD_CHUNK)
         if self.stale is not None:
-            metrics.update(offpolicy_metrics(batch, d.reduce, agent_mask=sampled))
+            live = live_log_probs(batch, c.policy, cfg.algo.spec.rollout_correction.bypass_mode, c.precision,
+                                  cfg.trainer.micro_batch_size or FORWARD_CHUNK)
+            metrics.update(offpolicy_metrics(batch, d.reduce, agent_mask=sampled, live=live))
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:

@@ -157,26 +157,47 @@ class StaleSampler:
         return replace(b, rollout_lags=torch.full((n,), age, dtype=torch.long), stale_log_probs=stale)
 
 
+@torch.no_grad()
+def live_log_probs(batch: Batch, policy: torch.nn.Module, bypass: bool, precision: Precision,
+                   chunk: int) -> torch.Tensor:
+    """log π of the batch's tokens under the live policy θ_{t−1} (before the step's update): the
+    recomputed π_old — or, in a rollout correction's bypass mode, where π_old is the sampler's,
+    one forward of the live policy for `offpolicy/kl_to_current` alone."""
+    if not bypass:
+        return batch.old_log_probs
+    was_training = policy.training
+    policy.eval()
+    with precision.autocast():
+        out = forward_in_chunks(_log_probs(policy), batch, chunk)
+    policy.train(was_training)
+    return out
+
+
 def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tensor] = None,
-                      ) -> dict[str, float]:
+                      live: Optional[torch.Tensor] = None) -> dict[str, float]:
     """`offpolicy/lag_mean`, `lag_max` over the batch's groups and `offpolicy/kl_to_current` =
-    mean over agent tokens of log π_stale − log π_old (0 on rows sampled by π_old itself); over
+    mean over agent tokens of k3 = e^r − 1 − r, r = log π_live − log π_stale (Schulman's k3: ≥ 0
+    per token, its mean under π_stale is KL(π_stale ‖ π_live); 0 on rows sampled by the live
+    policy itself); over
     all ranks when `reduce` (an all-reduce sum) is given. `agent_mask` (N, T): the agent tokens
     as sampled (default `batch.loss_mask`) — a decoupled rollout correction's rejection has
     removed tokens from the prepared batch's mask, and the distance is the sampler's, not the
-    kept tokens'."""
-    if batch.rollout_lags is None or batch.old_log_probs is None:
-        raise ValueError("offpolicy_metrics needs a stale batch with old log-probs")
+    kept tokens'. `live` (N, T): the live policy's log-probs (`live_log_probs`; default
+    `batch.old_log_probs`)."""
+    if batch.rollout_lags is None or (batch.old_log_probs is None and live is None):
+        raise ValueError("offpolicy_metrics needs a stale batch with the live policy's log-probs")
     lags = batch.rollout_lags.double()  # (N,)
     _, group = torch.unique(batch.group_ids, return_inverse=True)  # (N,) 0..G-1
     per_group = torch.zeros(int(group.max()) + 1, dtype=torch.float64, device=lags.device)
     per_group = per_group.scatter_reduce(0, group, lags, "amax", include_self=False)  # (G,)
     agent = batch.loss_mask if agent_mask is None else agent_mask
     mask = agent & (batch.rollout_lags > 0)[:, None]  # (N, T)
-    diff = (batch.stale_log_probs.to(batch.old_log_probs) - batch.old_log_probs).double()
+    live = batch.old_log_probs if live is None else live
+    r = (live - batch.stale_log_probs.to(live)).double()  # log π_live − log π_stale
+    k3 = torch.expm1(r.clamp(-20.0, 20.0)) - r  # (N, T) ≥ 0; its mean under π_stale: KL(π_stale ‖ π_live)
     sums = torch.stack([per_group.sum(), torch.tensor(float(len(per_group)), dtype=torch.float64,
                                                       device=lags.device),
-                        diff[mask].sum(), agent.sum().double()])
+                        k3[mask].sum(), agent.sum().double()])
     if reduce is not None:
         sums = reduce(sums)
     return {K.OFFPOLICY_LAG_MEAN: float(sums[0] / sums[1].clamp(min=1)),
