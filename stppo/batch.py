@@ -16,7 +16,7 @@ import torch
 PER_TOKEN = (
     "input_ids", "attention_mask", "loss_mask", "turn_ids", "rollout_log_probs",
     "stale_log_probs", "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns",
-    "rollout_is_weights",
+    "rollout_is_weights", "segment_ids",
 )
 PER_TRAJECTORY = (
     "group_ids", "scores", "num_turns", "num_searches", "num_valid", "num_invalid",
@@ -42,6 +42,7 @@ class Batch:
     # (N, T) float — the decoupled rollout correction's IS weights ω (detached; set with the
     # old log-probs, stppo.train.rollout_corr), or None
     rollout_is_weights: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None  # (N, T) long — subsentence of agent tokens (SSPO)
     num_turns: Optional[torch.Tensor] = None  # (N,) long — generation calls made
     num_searches: Optional[torch.Tensor] = None  # (N,) long
     num_valid: Optional[torch.Tensor] = None  # (N,) long — parseable actions

@@ -30,6 +30,16 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+# SSPO's subsentence ends (stppo.train.prepare): sentence and clause punctuation, and newline
+# (written as backslash + n, also on the command line: algo.subsentence_delimiters='.,;:!?\n').
+DEFAULT_SUBSENTENCE_DELIMITERS = ".,;:!?\\n"
+
+
+def delimiter_chars(delimiters: str) -> str:
+    """The characters of `algo.subsentence_delimiters`, `\\n` read as a newline."""
+    return delimiters.replace("\\n", "\n")
+
+
 @dataclass
 class CorrectionConfig:
     """The correction of the loss (stppo.algos.clip_bias); null fields: the preset's."""
@@ -125,6 +135,8 @@ class AlgoConfig:
     rollout_correction_options: RolloutCorrectionOptions = field(default_factory=RolloutCorrectionOptions)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    # the characters whose tokens end a subsentence (loss modes that read subsentences: sspo)
+    subsentence_delimiters: str = DEFAULT_SUBSENTENCE_DELIMITERS
 
     def __post_init__(self) -> None:
         for sub, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
@@ -136,6 +148,8 @@ class AlgoConfig:
         _check(0.0 <= self.gamma <= 1.0 and 0.0 <= self.gae_lambda <= 1.0,
                f"algo.gamma and algo.gae_lambda must be in [0, 1], got {self.gamma}, {self.gae_lambda}")
         _check(self.vf_clip > 0, f"algo.vf_clip must be > 0, got {self.vf_clip}")
+        _check(bool(delimiter_chars(str(self.subsentence_delimiters))),
+               "algo.subsentence_delimiters must name at least one character, got ''")
         self._spec = resolve_loss(self)
 
     @property

@@ -39,6 +39,8 @@ COV_SELECTED_FRAC = "actor/cov_selected_frac"  # clip_cov: tokens detached; kl_c
 BAPO_CLIP_LOW = "actor/bapo_clip_low"  # the adaptive ratio bounds c_low, c_high BAPO chose
 BAPO_CLIP_HIGH = "actor/bapo_clip_high"
 BAPO_POS_SHARE = "actor/bapo_pos_share"  # ρ: positive-advantage tokens' share of the loss
+SSPO_CLIP_SCALE_STD = "actor/sspo_clip_scale_std"  # SSPO: token std of the entropy clip scale w
+SSPO_SUBSENTENCE_LENGTH = "actor/sspo_subsentence_length_mean"  # SSPO: agent tokens per subsentence
 
 # --- DAPO's dynamic sampling and overlong reward shaping (stppo.train.dapo) --------------------
 DS_ROLLOUTS = "dynamic_sampling/rollouts"  # rollout calls this step (1 = no refill needed)

@@ -23,7 +23,7 @@ from stppo.batch import Batch
 from stppo.config import AlgoConfig, TrainerConfig
 from stppo.models import ValueModel
 from stppo.train import distributed
-from stppo.train.prepare import prepare_batch
+from stppo.train.prepare import prepare_batch, set_subsentence_ends
 from stppo.train.update import UpdateContext, actor_update, critic_update
 
 N_GROUPS, GROUP, T, VOCAB = 4, 2, 28, 48
@@ -44,6 +44,12 @@ CASES = {
                         loss_agg="token-mean", kl={"coef": 0.1}),
     # a researcher's stabiliser (tests/plugin_example): its preset file, a bigger β
     "turn_drift": dict(name="turn_drift", loss_options={"beta": 0.5}),
+    # SSPO: subsentences from the policy's delimiter table, per shard; the optimal token
+    # baseline: the old forward's Σπ² and the decoupled correction's IS weights, per group (a
+    # group never spans ranks)
+    "sspo": dict(name="sspo"),
+    "tir_optimal_token_baseline": dict(name="tir_optimal_token_baseline",
+                                       rollout_correction="decoupled_token_is"),
     # rollout corrections whose weights and metrics are statistics of the whole batch: decoupled
     # sequence IS normalised by the batch mean, with rejection (once per step, in the
     # preparation); bypass REINFORCE with normalised weights (in the loss, a batch statistic)
@@ -95,6 +101,7 @@ def models():
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          tie_word_embeddings=True)
     policy = Qwen2ForCausalLM(config).float()
+    set_subsentence_ends(policy, torch.arange(VOCAB) % 5 == 0)  # SSPO: ids 0, 5, 10, … end one
     critic = ValueModel.from_policy(policy)
     return policy, critic
 

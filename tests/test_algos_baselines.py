@@ -373,6 +373,12 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         "bapo": ("token", "bapo", "grpo", "token-mean", 0.4, 0.2),
         "rloo": ("token", "clip", "rloo", "seq-mean-token-mean", 0.2, 0.2),
         "reinforce_pp": ("token", "clip", "reinforce_pp", "seq-mean-token-mean", 0.2, 0.2),
+        "dppo_tv": ("token", "dppo_tv", "grpo", "token-mean", 0.15, 0.15),
+        "dppo_kl": ("token", "dppo_kl", "grpo", "token-mean", 0.05, 0.05),
+        "dro": ("token", "dro", "grpo", "token-mean", 0.2, 0.2),
+        "sspo": ("token", "sspo", "grpo", "seq-mean-token-mean", 0.2, 0.2),
+        "tir_optimal_token_baseline": ("token", "clip", "tir_optimal_token_baseline", "token-mean",
+                                       0.2, 0.2),
     }
     assert list(PRESETS)[8:] == list(table)
     for name, row in table.items():
@@ -388,20 +394,28 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         assert (a.dynamic_sampling.enabled, a.overlong.enabled) == (p.dynamic_sampling,
                                                                     p.overlong)
         first = (CONF_DIR / "algo" / f"{name}.yaml").read_text().splitlines()[0]
-        assert first.startswith("# ") and "arXiv" in first, name  # what it is and its source
+        # the optimal token baseline has no paper: verl's docs and a blog
+        source = "docs/algo/otb.md" if name == "tir_optimal_token_baseline" else "arXiv"
+        assert first.startswith("# ") and source in first, name  # what it is and its source
     assert PRESETS["dapo"].dynamic_sampling and PRESETS["dapo"].overlong
     assert dict(PRESETS["sapo"].options) == {"tau_pos": 1.0, "tau_neg": 1.05}
     assert dict(PRESETS["bapo"].options) == {"rho0": 0.4, "lower_max": 0.9, "upper_max": 3.0,
                                              "lower_step": 0.02, "upper_step": 0.05}
+    assert dict(PRESETS["dppo_tv"].options) == dict(PRESETS["dppo_kl"].options) == {
+        "clip_ratio_c": 20.0}
+    assert dict(PRESETS["dro"].options) == {"beta": 0.05}
+    assert dict(PRESETS["sspo"].options) == {"entropy_alpha": 1.0, "scale_min": 0.5,
+                                             "scale_max": 2.0}
 
 
 def test_every_preset_spec_makes_a_valid_policy_loss_call():
     from stppo.algos import policy_loss as spec_loss
 
     x = make_inputs(3, 8, seed=0, dtype=torch.float64)
+    segments = torch.where(x["loss_mask"], torch.arange(8) // 2, -1)  # subsentences of 2 (SSPO)
     for name in PRESETS:
         out = spec_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
-                        x["turn_ids"], PRESETS[name].spec())
+                        x["turn_ids"], PRESETS[name].spec(), segment_ids=segments)
         assert torch.isfinite(out.loss), name
         assert out.ratio.shape == out.clipped.shape == x["log_probs"].shape
     assert PRESETS["sapo"].spec(clip_high=0.3).clip_high == 0.3

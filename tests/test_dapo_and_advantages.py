@@ -1,5 +1,6 @@
-"""RLOO and REINFORCE++ advantages, truncated IS weights, DAPO's group filter, overlong penalty
-and dynamic-sampling refill (docs/design.md §2). Equality with verl: tests/verl/."""
+"""RLOO and REINFORCE++ advantages, DAPO's group filter, overlong penalty and dynamic-sampling
+refill (docs/design.md §2). Equality with verl: tests/verl/. The rollout correction's IS weights:
+tests/test_algos_rollout_correction.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 
 from stppo import metric_names as K
 from stppo.algos import (compute_advantages, groups_with_signal, overlong_penalty,
-                         reinforce_pp_advantages, rloo_advantages, truncated_is_weights)
+                         reinforce_pp_advantages, rloo_advantages)
 from stppo.batch import Batch
 from stppo.config import DynamicSamplingConfig
 from stppo.train.dapo import concat_batches, refill
-from test_algos_helpers import make_inputs, with_garbage
+from test_algos_helpers import make_inputs
 
 
 # --- advantages ----------------------------------------------------------------------------------
@@ -57,25 +58,6 @@ def test_registry_dispatch_of_the_new_estimators():
     assert torch.allclose(adv, reinforce_pp_advantages(rewards, x["loss_mask"], 0.9)[0])
     with pytest.raises(ValueError, match="advantage='rloo' needs rewards"):
         compute_advantages("rloo", loss_mask=x["loss_mask"], group_ids=gids)
-
-
-# --- truncated importance sampling --------------------------------------------------------------
-def test_truncated_is_weights_hand_computed_and_mask_invariant():
-    mask = torch.tensor([[True, True, False, True]])
-    old = torch.tensor([[0.0, -1.0, 5.0, -2.0]], dtype=torch.float64)
-    roll = torch.tensor([[-1.0, -1.0, 0.0, -1.5]], dtype=torch.float64)
-    w, m = truncated_is_weights(old, roll, mask, threshold=2.0)
-    e = torch.tensor([2.0, 1.0, 0.0, float(torch.tensor(-0.5).exp())], dtype=torch.float64)
-    assert torch.allclose(w, e.unsqueeze(0))  # e^1 = 2.72 truncated at 2
-    assert m[K.ROLLOUT_IS_MEAN].item() == pytest.approx((2.0 + 1.0 + e[3].item()) / 3)
-    assert m[K.ROLLOUT_IS_FRACTION_HIGH].item() == pytest.approx(1 / 3)
-    assert m[K.ROLLOUT_IS_FRACTION_LOW].item() == 0.0  # e^-0.5 = 0.61 ≥ 1/2
-    assert m[K.ROLLOUT_IS_MAX].item() == 2.0
-    mean = (3.0 + e[3].item()) / 3
-    ess = 1 / (sum((v / (mean + 1e-8)) ** 2 for v in (2.0, 1.0, e[3].item())) / 3)
-    assert m[K.ROLLOUT_IS_ESS].item() == pytest.approx(ess)
-    w2, m2 = truncated_is_weights(with_garbage(old, mask), with_garbage(roll, mask, 2), mask)
-    assert torch.equal(w2, w) and all(torch.equal(m[k], m2[k]) for k in m)
 
 
 # --- DAPO: group filter and overlong penalty -----------------------------------------------------

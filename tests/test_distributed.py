@@ -39,7 +39,7 @@ def updates(tmp_path_factory):
 
 
 CASES = ("ppo", "st_ppo", "s_ppo_grad", "so_grpo", "turn_ppo_kl", "turn_drift", "seq_is_rs",
-         "bypass_pg", "bypass_clip")
+         "bypass_pg", "bypass_clip", "sspo", "tir_optimal_token_baseline")
 # The rollout correction's statistics of the whole batch (every rank's rows): the decoupled
 # correction's once per step, bypass mode's per minibatch.
 GLOBAL_CORRECTION_KEYS = ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_batch_norm_factor",

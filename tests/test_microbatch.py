@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from layouts import multi_turn_layout
 from stppo.algos import LOSS_MODES, LossSpec
+from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, CorrectionConfig, KLConfig, TrainerConfig
 from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
@@ -52,6 +53,7 @@ def _batch(policy) -> Batch:
         return torch.where(loss, scale * (2 * u - 1), 0.0)
 
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
+                 segment_ids=subsentence_ids(ids % 5 == 0, loss, turns),  # SSPO's subsentences
                  group_ids=torch.arange(N) // 2, scores=torch.rand(N, generator=g),
                  old_log_probs=lp + noise(0.6), rollout_log_probs=lp + noise(0.8),
                  ref_log_probs=lp + noise(0.5),

@@ -17,7 +17,8 @@ from stppo.train.loop import Trainer
 from stppo.train.setup import build_components
 from test_orchestration import run_py
 
-BASELINES = ["dapo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo", "rloo", "reinforce_pp"]
+BASELINES = ["dapo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo", "rloo", "reinforce_pp",
+             "dppo_tv", "dppo_kl", "dro", "sspo", "tir_optimal_token_baseline"]
 
 
 def _two_steps(cfg):
@@ -46,6 +47,10 @@ def test_every_baseline_preset_trains_two_steps_and_changes_the_policy(tiny_cfg,
         assert 1.2 - 1e-9 <= ms[0][K.BAPO_CLIP_HIGH] <= 3.0 + 1e-9
     if algo in ("clip_cov", "kl_cov"):
         assert K.COV_SELECTED_FRAC in ms[0]
+    if algo in ("dppo_tv", "dppo_kl"):
+        assert K.PG_CLIPFRAC_LOWER in ms[0]  # the truncation's share, verl's key
+    if algo == "sspo":  # subsentences from the tokenizer's punctuation, inside the turns
+        assert 1.0 <= ms[0][K.SSPO_SUBSENTENCE_LENGTH] and K.SSPO_CLIP_SCALE_STD in ms[0]
     if algo == "dapo":
         for m in ms:
             assert m[K.DS_ROLLOUTS] >= 1 and m[K.DS_GROUPS_ROLLED] >= 4

@@ -21,6 +21,24 @@ discounted return over agent tokens, G_{t_j} = Σ_{k≥j} γ^{k−j} r_{t_k} (ob
 skipped, as in GAE: it is GAE with V ≡ 0 and λ = 1), whitened over the batch's agent tokens;
 returns = G.
 
+TIR optimal token baseline (verl 0.9.1 `compute_multi_turn_optimal_token_baseline_advantage`,
+`algorithm.adv_estimator=tir_optimal_token_baseline`; verl's docs/algo/otb.md): a baseline per
+token position, weighted by each trajectory's accumulated policy-gradient energy. Let
+t_1 < … < t_L be trajectory i's agent positions (observations between turns are skipped: the
+tool-integrated, multi-turn form compacts the agent tokens, so position j is the j-th agent
+token), r its token rewards, π_old(y_t) the sampled token's probability and Σπ²_t = Σ_v π_old(v | s_t)²
+(from the old-policy forward). Then, with γ = 1 (verl's),
+
+    G_{i,j} = Σ_{k ≥ j} r_{t_k},    w_{i,j} = (1 − 2 π_old(y_{t_j}) + Σπ²_{t_j}) · ω_{t_j}²,
+    W_{i,j} = Σ_{k ≤ j} w_{i,k}                (ω: the rollout IS weights, 1 without TIS)
+    B_{g,j} = Σ_{i∈g} G_{i,j} W_{i,j} / (Σ_{i∈g} W_{i,j} + ε),   A_{i,j} = G_{i,j} − B_{g(i),j}
+
+over the members i of group g that have a j-th agent token (ε = 1e-8); a group of one member
+(rows without agent tokens do not count) keeps A = G. Zero tail: when exactly one member is the
+longest, B = 0 on its positions j ≥ the second-longest length (there B would equal its own G).
+1 − 2π + Σπ² = ‖e_y − π‖², the squared norm of the logits' gradient of log π(y): the
+"logit-gradient proxy" of the path's variance. No whitening, no critic; returns = G.
+
 Turn-level GAE (option): one step per turn — the turn's reward is the sum of its tokens' rewards
 (the outcome lands in the last turn), its value is the value at the turn's first agent token; γ
 and λ apply per turn; advantages and returns are broadcast to the turn's tokens.
@@ -132,11 +150,85 @@ def turn_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tenso
     return adv, returns
 
 
+@torch.no_grad()
+def tir_optimal_token_baseline(rewards: torch.Tensor, loss_mask: torch.Tensor,
+                               group_ids: torch.Tensor, old_log_probs: torch.Tensor,
+                               sum_pi_squared: torch.Tensor,
+                               rollout_is_weights: Optional[torch.Tensor] = None,
+                               handle_zero_tail: bool = True,
+                               eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) (N, T), 0 off agent tokens, of the TIR optimal token baseline (module
+    docstring). rewards, old_log_probs, sum_pi_squared, rollout_is_weights (or None): (N, T)
+    floats, anything off agent tokens; loss_mask (N, T) bool; group_ids (N,). Agent tokens are
+    compacted to the left of each row (a stable sort of ~mask, as `gae`); every reduction over a
+    group is one index_add over the (N, L) compacted rows."""
+    n, t = loss_mask.shape
+    if group_ids.shape != (n,):
+        raise ValueError(f"group_ids must have shape (N,) = ({n},), got {tuple(group_ids.shape)}")
+    for name, x in (("rewards", rewards), ("old_log_probs", old_log_probs),
+                    ("sum_pi_squared", sum_pi_squared), ("rollout_is_weights", rollout_is_weights)):
+        if x is not None and x.shape != loss_mask.shape:
+            raise ValueError(f"{name} must have the shape of loss_mask {tuple(loss_mask.shape)}, "
+                             f"got {tuple(x.shape)}")
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    adv = torch.zeros(n, t, dtype=dtype, device=rewards.device)
+    lengths = loss_mask.sum(dim=1)  # (N,)
+    length = int(lengths.max()) if n else 0
+    if length == 0:
+        return adv, adv.clone()
+    order = torch.sort((~loss_mask).to(torch.uint8), dim=1, stable=True).indices[:, :length]
+    m_c = loss_mask.gather(1, order)  # (N, L) agent tokens first, in position order
+
+    def compact(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(m_c, x.gather(1, order).to(dtype), 0.0)  # (N, L)
+
+    ret = compact(rewards).flip(1).cumsum(1).flip(1)  # (N, L) G: rewards-to-go, 0 past the end
+    w = 1.0 - 2.0 * compact(old_log_probs).exp() + compact(sum_pi_squared)  # (N, L)
+    if rollout_is_weights is not None:
+        w = w * compact(rollout_is_weights).square()
+    energy = torch.where(m_c, torch.where(m_c, w, 0.0).cumsum(1), 0.0)  # (N, L) W
+    _, inv = torch.unique(group_ids, return_inverse=True)  # (N,)
+    g = int(inv.max()) + 1
+    real = lengths > 0  # (N,) rows without agent tokens join no group
+    weight = real.to(dtype).unsqueeze(1)  # (N, 1)
+    num = ret.new_zeros(g, length).index_add_(0, inv, ret * energy * weight)  # (G, L)
+    den = ret.new_zeros(g, length).index_add_(0, inv, energy * weight)  # (G, L)
+    members = lengths.new_zeros(g).index_add_(0, inv, real.long())  # (G,)
+    base = (num / (den + eps))[inv]  # (N, L)
+    base = torch.where((members[inv] > 1).unsqueeze(1), base, 0.0)
+    if handle_zero_tail:
+        base = _zero_tail(base, lengths, inv, real, g)
+    adv_c = torch.where(m_c, ret - base, 0.0)  # (N, L)
+    adv.scatter_(1, order, adv_c)
+    returns = torch.zeros_like(adv).scatter_(1, order, torch.where(m_c, ret, 0.0))
+    return adv, returns
+
+
+def _zero_tail(base: torch.Tensor, lengths: torch.Tensor, inv: torch.Tensor, real: torch.Tensor,
+               g: int) -> torch.Tensor:
+    """B = 0 on a group's unique longest member past the second-longest length (verl's
+    handle_zero_tail). base (N, L), lengths (N,), inv (N,) group index, real (N,) rows counted."""
+    lens = torch.where(real, lengths, -1)  # (N,)
+    longest = lens.new_full((g,), -1).scatter_reduce(0, inv, lens, reduce="amax")  # (G,)
+    at_max = (lens == longest[inv]) & real  # (N,)
+    n_at_max = lens.new_zeros(g).index_add_(0, inv, at_max.long())  # (G,)
+    others = torch.where(at_max, -1, lens)  # (N,)
+    second = lens.new_full((g,), -1).scatter_reduce(0, inv, others, reduce="amax")  # (G,)
+    tail = at_max & (n_at_max[inv] == 1) & (second[inv] >= 0)  # (N,) the unique longest, N ≥ 2
+    cols = torch.arange(base.shape[1], device=base.device)  # (L,)
+    cut = tail.unsqueeze(1) & (cols.unsqueeze(0) >= second[inv].unsqueeze(1))  # (N, L)
+    return torch.where(cut, 0.0, base)
+
+
 # --- registry: one signature ---------------------------------------------------------------------
 # estimator(*, loss_mask, turn_ids, rewards, values, scores, group_ids, gamma, gae_lambda, eps,
-#           norm_by_std, whiten, reduce) -> (advantages (N, T), returns (N, T)); `reduce` (an
-#           all-reduce sum over data-parallel shards, or None) makes whitening global. GRPO needs
-#           none: a group never spans shards.
+#           norm_by_std, whiten, reduce, old_log_probs, sum_pi_squared, rollout_is_weights)
+#           -> (advantages (N, T), returns (N, T)); `reduce` (an all-reduce sum over
+#           data-parallel shards, or None) makes whitening global. GRPO and the optimal token
+#           baseline need none: a group never spans shards. The estimators of
+#           OLD_POLICY_ESTIMATORS read π_old's forward: its log-probs and Σ_v π_old(v)² per agent
+#           token (`sum_pi_squared`), and the TIS weights when the run has them.
+OLD_POLICY_ESTIMATORS = ("tir_optimal_token_baseline",)
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
     "advantage")
 
@@ -214,14 +306,26 @@ def _reinforce_pp_estimator(*, loss_mask, rewards, gamma, reduce=None, **_):
     return reinforce_pp_advantages(rewards, loss_mask, gamma, reduce)
 
 
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline")
+def _tir_otb_estimator(*, loss_mask, rewards, group_ids, old_log_probs=None, sum_pi_squared=None,
+                       rollout_is_weights=None, **_):
+    _need("tir_optimal_token_baseline", rewards=rewards, group_ids=group_ids,
+          old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared)
+    return tir_optimal_token_baseline(rewards, loss_mask, group_ids, old_log_probs,
+                                      sum_pi_squared, rollout_is_weights)
+
+
 def compute_advantages(name: str, *, loss_mask: torch.Tensor, turn_ids=None, rewards=None,
                        values=None, scores=None, group_ids=None, gamma: float = 1.0,
                        gae_lambda: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
-                       whiten: bool = True, reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       whiten: bool = True, reduce=None, old_log_probs=None, sum_pi_squared=None,
+                       rollout_is_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to ADVANTAGE_ESTIMATORS[name]; GAE-based ones whiten over agent tokens when
-    `whiten` (docs/design.md §2), over every shard's when `reduce` is given. Returns (advantages,
-    returns), (N, T)."""
+    `whiten` (docs/design.md §2), over every shard's when `reduce` is given; the estimators of
+    OLD_POLICY_ESTIMATORS read `old_log_probs`, `sum_pi_squared` and `rollout_is_weights`.
+    Returns (advantages, returns), (N, T)."""
     fn = ADVANTAGE_ESTIMATORS[name]
     return fn(loss_mask=loss_mask, turn_ids=turn_ids, rewards=rewards, values=values,
               scores=scores, group_ids=group_ids, gamma=gamma, gae_lambda=gae_lambda, eps=eps,
-              norm_by_std=norm_by_std, whiten=whiten, reduce=reduce)
+              norm_by_std=norm_by_std, whiten=whiten, reduce=reduce, old_log_probs=old_log_probs,
+              sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights)

@@ -2,6 +2,7 @@
 
     log π(y_t) = z_{t, y_t} − logsumexp_v z_{t, v}
     H_t        = logsumexp_v z_{t, v} − Σ_v softmax(z_t)_v z_{t, v}
+    Σπ²_t      = exp(logsumexp_v 2 z_{t, v} − 2 logsumexp_v z_{t, v})
 
 `token_log_probs` never builds a log-softmax over the vocabulary: a gather and one logsumexp.
 `entropy_from_logits` builds one softmax (the only full-vocabulary copy) and contracts it with the
@@ -58,3 +59,14 @@ def token_log_probs(logits: torch.Tensor, ids: torch.Tensor,
 def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: logits (…, V) → (…)."""
     return _chunked(_entropy, logits, chunk_size=chunk_size)
+
+
+def _sum_pi_squared(z: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+
+
+def sum_pi_squared_from_logits(logits: torch.Tensor,
+                               chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Σ_v softmax(logits)_v² = exp(logsumexp(2z) − 2 logsumexp(z)) over the last dim (verl's
+    `calculate_sum_pi_squared_from_logits`; the optimal token baseline's input): (…, V) → (…)."""
+    return _chunked(_sum_pi_squared, logits, chunk_size=chunk_size)

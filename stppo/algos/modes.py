@@ -2,12 +2,15 @@
 
 clip (the clipped surrogate of `stppo.algos.loss.clip_policy_loss`, every ratio level and
 correction), and the losses people compare against, one module each in `stppo.algos.baselines`:
-cispo, gmpo, sapo, clip_cov, kl_cov, bapo. A researcher's own stabiliser joins the registry under
-its preset's name (`stppo.algos.plugins`). Unknown names list the valid ones.
+cispo, gmpo, sapo, clip_cov, kl_cov, bapo, dppo_tv and dppo_kl (dppo), dro, sspo. A researcher's
+own stabiliser joins the registry under its preset's name (`stppo.algos.plugins`). Unknown names
+list the valid ones.
 
 A built-in mode takes the tensors and keywords of `policy_loss`, the mode's `options` (named
 floats; unknown names and bad values are one-line ValueErrors) and `rollout_is_weights`, and
-returns `(loss, metrics)` with the clip path's metric keys. Rollout IS weights ω (N, T)
+returns `(loss, metrics)` with the clip path's metric keys. A mode with `segments=True` (sspo)
+also takes `segment_ids` (N, T), the subsentence labels of the agent tokens, and fails in one
+line without them. Rollout IS weights ω (N, T)
 (the rollout correction's, `stppo.algos.rollout_corr`; ω ≥ 0) multiply the per-token loss, as
 verl's. On the clip path they are applied as advantages ωA: the clipped surrogate is positively
 homogeneous in A — clipping depends on the sign of A only and ω ≥ 0 — so s(ρ, ωA) = ω s(ρ, A)
@@ -21,12 +24,15 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
-from stppo.algos.baselines import bapo, cov, sapo
+from stppo.algos.baselines import bapo, cov, dppo, dro, sapo, sspo
 from stppo.algos.baselines.bapo import bapo_loss
 from stppo.algos.baselines.cispo import cispo_loss
 from stppo.algos.baselines.cov import clip_cov_loss, kl_cov_loss
+from stppo.algos.baselines.dppo import dppo_kl_loss, dppo_tv_loss
+from stppo.algos.baselines.dro import dro_loss
 from stppo.algos.baselines.gmpo import gmpo_loss
 from stppo.algos.baselines.sapo import sapo_loss
+from stppo.algos.baselines.sspo import sspo_loss
 from stppo.algos.loss import check_token_tensors, clip_policy_loss
 from stppo.registry import Registry
 
@@ -46,6 +52,10 @@ class LossMode(NamedTuple):
     # A researcher's stabiliser (`stppo.algos.plugins`): `fn(inputs, spec) -> (loss, metrics)`
     # instead of the built-in modes' keywords.
     plugin: bool = False
+    # Reads `segment_ids` (N, T): the subsentence labels of the agent tokens (SSPO), which the
+    # caller derives from the token ids (stppo.train.prepare). verl passes a policy loss no token
+    # ids: such a mode is own-backend only (stppo.integrations.verl.overrides).
+    segments: bool = False
 
 
 LOSS_MODES: Registry[LossMode] = Registry("loss_mode")
@@ -66,6 +76,15 @@ LOSS_MODES.register("kl_cov", LossMode(kl_cov_loss, cov.KL_COV_DEFAULTS, ("token
 LOSS_MODES.register("bapo", LossMode(bapo_loss, bapo.DEFAULTS, ("token",), dual_clip=True,
                                      check=bapo.check, separable=False,
                                      source="BAPO (arXiv 2510.18927)"))
+LOSS_MODES.register("dppo_tv", LossMode(dppo_tv_loss, dppo.DEFAULTS, ("token",), check=dppo.check,
+                                        source="DPPO Binary-TV (arXiv 2602.04879); verl 'dppo_tv'"))
+LOSS_MODES.register("dppo_kl", LossMode(dppo_kl_loss, dppo.DEFAULTS, ("token",), check=dppo.check,
+                                        source="DPPO Binary-KL (arXiv 2602.04879); verl 'dppo_kl'"))
+LOSS_MODES.register("dro", LossMode(dro_loss, dro.DEFAULTS, ("token",), check=dro.check,
+                                    uses_clip=False, source="DRO (arXiv 2405.19107); verl 'dro'"))
+LOSS_MODES.register("sspo", LossMode(sspo_loss, sspo.DEFAULTS, ("token",), dual_clip=True,
+                                     check=sspo.check, segments=True,
+                                     source="SSPO (arXiv 2511.04256)"))
 
 
 def resolve_options(loss_mode: str, options: Optional[Mapping[str, Any]]) -> dict[str, float]:
@@ -112,10 +131,16 @@ def _kind(correction: Any) -> str:
 
 
 def dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_mode: str,
-             options, rollout_is_weights, **kw):
+             options, rollout_is_weights, segment_ids=None, **kw):
     """`policy_loss` for loss_mode ≠ 'clip', options or rollout IS weights (see the docstring)."""
     check_token_tensors(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                         loss_mask=loss_mask, turn_ids=turn_ids)
+    if LOSS_MODES[loss_mode].segments:
+        if segment_ids is None:
+            raise ValueError(f"loss_mode={loss_mode!r} needs segment_ids, the subsentence labels "
+                             "of the agent tokens (stppo.algos.segments.subsentence_ids)")
+        check_token_tensors(log_probs=log_probs, segment_ids=segment_ids)
+        kw["segment_ids"] = segment_ids
     if rollout_is_weights is not None:
         check_token_tensors(log_probs=log_probs, rollout_is_weights=rollout_is_weights)
         rollout_is_weights = rollout_is_weights.detach()

@@ -11,9 +11,10 @@ a bypass-mode REINFORCE rollout correction (old_log_probs = π_rollout) → verl
 (`stppo.algos.rollout_corr.reinforce`).
 The keywords are what a call adds to the spec: the data-parallel reduction (`global_denoms`,
 `reduce`), the policy parameters (the `grad` estimator), the IS weights, a ‖C‖ the caller
-computed. Besides the loss and its metrics it returns what callers need per token, so none
-recomputes it: ρ at the spec's ratio level and κ, the clip path's clip indicator (whatever the
-mode: the per-turn breakdown, verl's dual-clip fraction and the exact clipping bias read them).
+computed, the subsentence labels (SSPO). Besides the loss and its metrics it returns what
+callers need per token, so none recomputes it: ρ at the spec's ratio level and κ, the clip
+path's clip indicator (whatever the mode: the per-turn breakdown, verl's dual-clip fraction and
+the exact clipping bias read them).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 global_denoms: GlobalDenoms = None, reduce: Reduce = None,
                 params: Optional[Iterable[torch.Tensor]] = None,
                 rollout_is_weights: Optional[torch.Tensor] = None,
-                correction_grad_norm: Optional[torch.Tensor] = None) -> LossOutput:
+                correction_grad_norm: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None) -> LossOutput:
     """The policy loss of `spec` and its diagnostics (see the module docstring).
 
     Tensors (N, T): log_probs (with graph), old_log_probs, advantages, loss_mask (bool, agent
@@ -96,7 +98,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     the policy parameters, for the correction estimator 'grad' (or `correction_grad_norm`, its
     ‖C‖ computed by the caller); `rollout_is_weights`: the rollout correction's IS weights ω
     (N, T), applied by every mode (`stppo.algos.rollout_corr`). A rollout correction's rejection
-    is the caller's: `loss_mask` holds the kept agent tokens."""
+    is the caller's: `loss_mask` holds the kept agent tokens. `segment_ids` (N, T) int: the
+    subsentence labels of the agent tokens, for the loss modes that read them
+    (`LossMode.segments`: sspo), ignored by the others."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"policy_loss takes a LossSpec, got {type(spec).__name__}")
     mode = LOSS_MODES[spec.loss_mode]
@@ -123,7 +127,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         else:
             loss, metrics = dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                      loss_mode=spec.loss_mode, options=spec.options,
-                                     rollout_is_weights=rollout_is_weights, **kw)
+                                     rollout_is_weights=rollout_is_weights,
+                                     segment_ids=segment_ids, **kw)
     return LossOutput(loss, metrics, (log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec))
 
 

@@ -34,6 +34,17 @@ The losses people compare against (docs/design.md §2; their loss modes are in
 | bapo         | token    | bapo      | grpo         | a⁻ 0.6, a⁺ 1.2 (ε 0.4/0.2), token-mean; ρ₀ 0.4, b⁻ 0.9, b⁺ 3.0 |
 | rloo         | token    | clip      | rloo         | —                                              |
 | reinforce_pp | token    | clip      | reinforce_pp | —                                              |
+| dppo_tv      | token    | dppo_tv   | grpo         | δ 0.15/0.15 (TV), token-mean; C 20 (DPPO; verl) |
+| dppo_kl      | token    | dppo_kl   | grpo         | δ 0.05/0.05 (KL), token-mean; C 20 (DPPO; verl) |
+| dro          | token    | dro       | grpo         | token-mean; β 0.05 (verl)                      |
+| sspo         | token    | sspo      | grpo         | subsentence ratios, entropy-scaled ε 0.2/0.2; α 1, w ∈ [0.5, 2] |
+| tir_optimal_token_baseline | token | clip | tir_optimal_token_baseline | token-mean (verl's OTB example) |
+
+The ratio column is the level of the clip diagnostics (per-turn breakdown); SSPO's own ratio is
+per subsentence. The preset `tir_optimal_token_baseline` is PPO's clip with verl's multi-turn
+("tool-integrated reasoning") optimal token baseline, named after the estimator as rloo and
+reinforce_pp are; any critic-free preset can also take it
+(`algo.advantage=tir_optimal_token_baseline`).
 """
 
 from __future__ import annotations
@@ -124,5 +135,13 @@ for _name, _level, _adv, _fixed in (
                                    loss_agg=TOKEN_MEAN)),
     ("rloo", "token", "rloo", {}),
     ("reinforce_pp", "token", "reinforce_pp", {}),
+    ("dppo_tv", "token", "grpo", dict(loss_mode="dppo_tv", clip_low=0.15, clip_high=0.15,
+                                      loss_agg=TOKEN_MEAN, options={"clip_ratio_c": 20.0})),
+    ("dppo_kl", "token", "grpo", dict(loss_mode="dppo_kl", clip_low=0.05, clip_high=0.05,
+                                      loss_agg=TOKEN_MEAN, options={"clip_ratio_c": 20.0})),
+    ("dro", "token", "grpo", dict(loss_mode="dro", loss_agg=TOKEN_MEAN, options={"beta": 0.05})),
+    ("sspo", "token", "grpo", dict(loss_mode="sspo", options={"entropy_alpha": 1.0,
+                                                             "scale_min": 0.5, "scale_max": 2.0})),
+    ("tir_optimal_token_baseline", "token", "tir_optimal_token_baseline", dict(loss_agg=TOKEN_MEAN)),
 ):
     register_preset(Preset(_name, _level, "none", _adv, False, **_fixed))

@@ -145,3 +145,55 @@ def turn_ids_from_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] &= ~m[:, :-1]  # (N, T) first token of each run
     runs = starts.cumsum(dim=1)  # (N, T) int64: runs started so far
     return torch.where(m, runs - 1, -1)
+
+
+def subsentence_ids(ends: torch.Tensor, loss_mask: torch.Tensor,
+                    turn_ids: torch.Tensor) -> torch.Tensor:
+    """Subsentences of the agent tokens (SSPO, docs/design.md §2): a subsentence is a maximal run
+    of consecutive agent tokens of one turn that contains no subsentence end before its last
+    token. A new one starts at agent token t when
+
+        t is a row's first position, or t − 1 is no agent token (a turn's start, an observation
+        gap), or turn_{t−1} ≠ turn_t, or token t − 1 ends a subsentence (`ends`: its id is a
+        delimiter, stppo.train.prepare),
+
+    so the delimiter belongs to the subsentence it ends and a subsentence never crosses a turn
+    boundary. `ends` (N, T) bool, `loss_mask` (N, T) bool, `turn_ids` (N, T) int → (N, T) int64:
+    0, 1, … per row on agent tokens (in position order), −1 elsewhere. Vectorised (one cumsum)."""
+    if not (ends.shape == loss_mask.shape == turn_ids.shape) or loss_mask.dim() != 2:
+        raise ValueError(f"ends, loss_mask and turn_ids must share one (N, T) shape, got "
+                         f"{tuple(ends.shape)}, {tuple(loss_mask.shape)}, {tuple(turn_ids.shape)}")
+    return _runs(loss_mask, turn_ids, ends.bool())
+
+
+def subsentence_runs(segment_ids: torch.Tensor, loss_mask: torch.Tensor,
+                     turn_ids: torch.Tensor) -> torch.Tensor:
+    """Canonical subsentence ids from any labelling `segment_ids` (N, T) int: the maximal runs of
+    consecutive agent tokens with one turn id and one label, numbered 0, 1, … per row (−1 off
+    agent tokens). The identity on `subsentence_ids`' output; it makes "never across a turn
+    boundary or an observation" hold whatever labels a caller passes."""
+    if not (segment_ids.shape == loss_mask.shape == turn_ids.shape) or loss_mask.dim() != 2:
+        raise ValueError(f"segment_ids, loss_mask and turn_ids must share one (N, T) shape, got "
+                         f"{tuple(segment_ids.shape)}, {tuple(loss_mask.shape)}, "
+                         f"{tuple(turn_ids.shape)}")
+    if segment_ids.is_floating_point() or segment_ids.dtype == torch.bool:
+        raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
+    m = loss_mask.bool()
+    label_change = torch.zeros_like(m)
+    label_change[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return _runs(m, turn_ids, None, label_change)
+
+
+def _runs(m: torch.Tensor, turn_ids: torch.Tensor, ends: Optional[torch.Tensor],
+          change: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ids (N, T): a run starts at agent token t when t − 1 is not an agent token of the same
+    turn, or `ends[t − 1]`, or `change[t]`."""
+    starts = m.clone()  # (N, T)
+    cont = torch.zeros_like(m)  # (N, T) t continues t − 1's run
+    cont[:, 1:] = m[:, :-1] & (turn_ids[:, 1:] == turn_ids[:, :-1])
+    if ends is not None:
+        cont[:, 1:] &= ~ends[:, :-1]
+    if change is not None:
+        cont &= ~change
+    starts &= ~cont
+    return torch.where(m, starts.cumsum(dim=1) - 1, -1)

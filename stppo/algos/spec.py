@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from stppo.algos.advantages import ADVANTAGE_ESTIMATORS
+from stppo.algos.advantages import ADVANTAGE_ESTIMATORS, OLD_POLICY_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
 from stppo.algos.clip_bias import Correction
 from stppo.algos.ratios import RATIO_LEVELS
@@ -23,7 +23,8 @@ from stppo.algos.rollout_corr.presets import ROLLOUT_CORRECTIONS, resolve
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 DEFAULT_CLIP = 0.2
-CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp")  # the others need a critic
+# the others need a critic
+CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "tir_optimal_token_baseline")
 
 
 def _fail(name: str, message: str) -> None:
@@ -144,6 +145,10 @@ class LossSpec:
                   f"REINFORCE loss (no ratio, no clip); it needs a preset on the plain clip path "
                   f"(loss_mode clip, ratio_level token, no correction), got loss_mode "
                   f"{self.loss_mode}, ratio_level {self.ratio_level}, correction {self.correction_kind}")
+        if rc.bypass_mode and self.advantage in OLD_POLICY_ESTIMATORS:
+            _fail("rollout_correction", f"={rc.name} takes the sampler's log-probs as π_old (no "
+                  f"old-policy forward), but advantage={self.advantage} reads that forward's "
+                  f"Σπ²: use a decoupled correction (e.g. decoupled_token_is) or none")
 
     @property
     def correction_kind(self) -> str:

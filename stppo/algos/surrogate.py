@@ -46,13 +46,14 @@ class Surrogate(NamedTuple):
 @torch.no_grad()
 def surrogate_parts(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
                     clip_high: float, dual_clip: Optional[float] = None) -> SurrogateParts:
-    """(a, b, κ_high, κ_low) with s = a ρ + b; `ratio`, `advantages` (N, T) finite."""
+    """(a, b, κ_high, κ_low) with s = a ρ + b; `ratio`, `advantages` (N, T) finite. `clip_low`,
+    `clip_high`: floats, or tensors broadcasting to (N, T) (per-token bounds: SSPO)."""
     adv = advantages.to(ratio.dtype)
     pos, neg = adv > 0, adv < 0  # (N, T)
     clipped_high = pos & (ratio > 1.0 + clip_high)  # (N, T)
     clipped_low = neg & (ratio < 1.0 - clip_low)  # (N, T)
     fixed = clipped_high | clipped_low
-    hi = torch.full((), 1.0 + clip_high, dtype=ratio.dtype, device=ratio.device)  # not float32
+    hi = torch.as_tensor(1.0 + clip_high, dtype=ratio.dtype, device=ratio.device)  # not float32
     bound = torch.where(clipped_high, hi, 1.0 - clip_low)  # (N, T) β in ρ's dtype
     if dual_clip is not None:
         dual = neg & (ratio > dual_clip)  # (N, T); never κ_low since 1 − ε_low < 1 < c

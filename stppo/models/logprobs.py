@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from stppo.algos.entropy import entropy_from_logits, token_log_probs
+from stppo.algos.entropy import entropy_from_logits, sum_pi_squared_from_logits, token_log_probs
 from stppo.models.precision import full_precision
 
 LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits of one automatic chunk (~441 positions at 152k)
@@ -113,34 +113,40 @@ def scatter_rows(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
 
 
 def _head_chunk(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Linear,
-                entropy: bool, entropy_grad: bool):
-    """(log-probs (c,), entropies (c,) or None) of one chunk: float32 logits, then both."""
+                entropy: bool, entropy_grad: bool, pi_sq: bool = False):
+    """(log-probs (c,), entropies (c,) or None[, Σπ² (c,) without graph]) of one chunk: float32
+    logits, then each; the third only with `pi_sq`."""
     logits = linear_fp32(hidden, head)  # (c, V) float32
     with full_precision(logits.device.type):
         lp = token_log_probs(logits, targets)
+        extra = ()
+        if pi_sq:
+            with torch.no_grad():
+                extra = (sum_pi_squared_from_logits(logits.detach()),)
         if not entropy:
-            return lp, None
+            return (lp, None, *extra)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return lp, entropy_from_logits(logits)
+            return (lp, entropy_from_logits(logits), *extra)
 
 
 def head_log_probs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, *,
-                   chunk: int, entropy: bool = False, entropy_grad: bool = True):
+                   chunk: int, entropy: bool = False, entropy_grad: bool = True,
+                   sum_pi_squared: bool = False):
     """log softmax(head(hidden))[targets] (M,) and, with `entropy`, the entropies (M,) (else None),
     from hidden states (M, H) in float32, `chunk` positions at a time (module docstring).
-    `entropy_grad=False` computes the entropies without graph (they only feed metrics)."""
+    `entropy_grad=False` computes the entropies without graph (they only feed metrics).
+    `sum_pi_squared`: a third value, Σ_v π(v)² (M,) without graph (the optimal token baseline)."""
     m = hidden.shape[0]
     if m <= chunk:  # one pass: the logits are saved for backward as by any autograd op
-        return _head_chunk(hidden, targets, head, entropy, entropy_grad)
+        return _head_chunk(hidden, targets, head, entropy, entropy_grad, sum_pi_squared)
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-    lps, ents = [], []
+    parts = []
     for i in range(0, m, chunk):
-        args = (hidden[i:i + chunk], targets[i:i + chunk], head, entropy, entropy_grad)
-        lp, ent = (checkpoint(_head_chunk, *args, use_reentrant=False, preserve_rng_state=False)
-                   if recompute else _head_chunk(*args))
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+        args = (hidden[i:i + chunk], targets[i:i + chunk], head, entropy, entropy_grad,
+                sum_pi_squared)
+        parts.append(checkpoint(_head_chunk, *args, use_reentrant=False, preserve_rng_state=False)
+                     if recompute else _head_chunk(*args))
+    return tuple(torch.cat(xs) if xs[0] is not None else None for xs in zip(*parts))
 
 
 def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -154,6 +160,26 @@ def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     above); `entropy_grad=False` returns it without graph. Gradients flow when the caller has
     them enabled. `chunk`: LM-head positions per chunk (None: `logits_chunk(model, V)`).
     """
+    lp, ent, _ = _token_stats(model, input_ids, attention_mask, positions, return_entropy,
+                              entropy_grad, chunk, False)
+    return (lp, ent) if return_entropy else lp
+
+
+@torch.no_grad()
+def policy_log_probs_sum_pi_squared(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                    *, positions: torch.Tensor | None = None,
+                                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(ids[t] | ids[:t]), Σ_v π(v | ids[:t])²), both (N, T) float32 and 0 where
+    `policy_log_probs` gives 0, from one forward without graph: the old-policy pass of the optimal
+    token baseline (stppo.algos.advantages; verl's `calculate_sum_pi_squared`)."""
+    lp, _, s2 = _token_stats(model, input_ids, attention_mask, positions, False, False, chunk,
+                             True)
+    return lp, s2
+
+
+def _token_stats(model, input_ids, attention_mask, positions, entropy, entropy_grad, chunk,
+                 pi_sq):
+    """(log-probs, entropies or None, Σπ² or None) (N, T) of `policy_log_probs`."""
     _check(input_ids, attention_mask, positions)
     mask = attention_mask.bool()
     sel = target_positions(mask, positions)  # (N, T-1)
@@ -163,20 +189,23 @@ def policy_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         backbone, head = parts
         hidden = hidden_states(backbone, input_ids, mask)  # (N, T, H)
         chunk = chunk or logits_chunk(model, head.out_features)
-        lp, ent = head_log_probs(hidden[:, :-1][sel], head, targets, chunk=chunk,
-                                 entropy=return_entropy, entropy_grad=entropy_grad)  # (M,) each
+        out = head_log_probs(hidden[:, :-1][sel], head, targets, chunk=chunk, entropy=entropy,
+                             entropy_grad=entropy_grad, sum_pi_squared=pi_sq)  # (M,) each
+        lp, ent, s2 = out if pi_sq else (*out, None)
         with full_precision(lp.device.type):
-            lp = scatter_rows(lp, sel)  # (N, T)
-            return (lp, scatter_rows(ent, sel)) if return_entropy else lp
-    else:  # full forward; the logits of the needed positions in float32
-        out = model(input_ids=input_ids, attention_mask=mask.long(),
-                    position_ids=position_ids_from_mask(mask), use_cache=False)
-        logits = out.logits[:, :-1][sel].float()  # (M, V)
+            return tuple(scatter_rows(x, sel) if x is not None else None for x in (lp, ent, s2))
+    # full forward; the logits of the needed positions in float32
+    out = model(input_ids=input_ids, attention_mask=mask.long(),
+                position_ids=position_ids_from_mask(mask), use_cache=False)
+    logits = out.logits[:, :-1][sel].float()  # (M, V)
     with full_precision(logits.device.type):
         lp = scatter_rows(token_log_probs(logits, targets), sel)  # (N, T)
-        if not return_entropy:
-            return lp
-        return lp, scatter_rows(entropy_from_logits(logits), sel)
+        ent = scatter_rows(entropy_from_logits(logits), sel) if entropy else None
+        s2 = None
+        if pi_sq:
+            with torch.no_grad():
+                s2 = scatter_rows(sum_pi_squared_from_logits(logits.detach()), sel)
+        return lp, ent, s2
 
 
 def reference_model(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:

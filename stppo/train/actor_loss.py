@@ -86,7 +86,8 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContex
     out = policy_loss(lp, old, mb.advantages, mask, mb.turn_ids, spec,
                       global_denoms=denoms, reduce=scope.reduce,
                       params=params if grad_est else None, rollout_is_weights=weights,
-                      correction_grad_norm=scope.correction_grad_norm if grad_est else None)
+                      correction_grad_norm=scope.correction_grad_norm if grad_est else None,
+                      segment_ids=mb.segment_ids)
     loss, m = out.loss, out.metrics
     entropy = agg_loss(ent, mb.loss_mask, spec.loss_agg, scope.denoms)
     if scope.metrics:

@@ -17,7 +17,9 @@ from stppo.config import Config
 from stppo.envs import SearchEnv, Task, build_retriever, build_task, run_oracle, tokenizer_texts
 from stppo.models import (MODEL_PRESETS, Precision, ValueModel, load_model, reference_model,
                           resolve_precision)
+from stppo.algos.modes import LOSS_MODES
 from stppo.train import sft
+from stppo.train.prepare import set_subsentence_ends, subsentence_end_table
 
 log = logging.getLogger(__name__)
 WARMSTART_SEED = 0  # one warm start per (model, task, settings), shared by every seed and preset
@@ -86,6 +88,9 @@ def build_components(cfg: Config, *, progress: bool = True) -> Components:
     # The frozen reference is held in the compute dtype (half the memory under bf16 autocast).
     ref = (reference_model(policy, precision.compute_dtype if precision.mixed else None)
            if cfg.algo.kl.coef > 0 else None)
+    if LOSS_MODES[cfg.algo.spec.loss_mode].segments:  # SSPO: the ids that end a subsentence
+        set_subsentence_ends(policy, subsentence_end_table(
+            tokenizer, cfg.algo.subsentence_delimiters, policy.get_input_embeddings().num_embeddings))
     comps = Components(task, env, tokenizer, policy, critic, ref, ws_loss, precision)
     if critic is not None and cfg.trainer.critic_warmstart.enabled:
         from stppo.train.critic_warmstart import critic_warm_start

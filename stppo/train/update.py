@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos import explained_variance
+from stppo.algos.advantages import OLD_POLICY_ESTIMATORS
 from stppo.batch import Batch
 from stppo.config import Config
 from stppo.metric_names import (CRITIC_GRAD_NORM, GRAD_NORM, GRAD_NORM_MAX, LR, SKIPPED_STEPS,
@@ -29,16 +30,19 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     old log-probs are that forward's detached log-probs (identical numbers): one epoch, one
     minibatch holding the whole rollout batch, nothing before the update that reads the old
     log-probs (the KL penalty in the reward does; so does `offpolicy/kl_to_current` of stale
-    rollouts, trainer.offpolicy.lag > 0), and a rollout correction that needs none: a decoupled
-    one compares the recomputed π_old with the sampler's before the update, bypass mode takes the
-    sampler's as π_old (`stppo.train.rollout_corr`)."""
+    rollouts, trainer.offpolicy.lag > 0; so does the optimal token baseline, which reads the old
+    forward's Σπ² too), and a rollout correction that needs none: a decoupled one compares the
+    recomputed π_old with the sampler's before the update, bypass mode takes the sampler's as
+    π_old (`stppo.train.rollout_corr`)."""
     tr, algo = cfg.trainer, cfg.algo
     one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
     kl_reads_old = algo.kl.coef > 0 and algo.kl.in_reward
+    advantage_reads_old = algo.advantage in OLD_POLICY_ESTIMATORS
     rc = algo.spec.rollout_correction
     own_old = not (rc.decoupled or rc.bypass_mode)
     stale = tr.offpolicy.lag > 0
-    return tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and own_old and not stale
+    return (tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not advantage_reads_old
+            and own_old and not stale)
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):

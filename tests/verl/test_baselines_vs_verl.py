@@ -12,6 +12,9 @@ Where verl differs, the relation is tested instead:
 - geo_mean averages over all rows (torch.mean), rows without response tokens included;
 - geo_mean's clip fractions count tokens out of the log-space range whose clip does not bind;
 - kl_cov reports mean |δ| as actor/ppo_kl (stppo: mean −δ, as every loss);
+- DRO, clip_cov, kl_cov and geo_mean do not clamp δ to ±20 (stppo does; |δ| < 20 here);
+- tir_optimal_token_baseline's returns also fill the observation positions between turns (the
+  reverse cumsum over every position); stppo's are 0 off agent tokens, equal on them;
 - rloo gives a group of one its raw score (so does stppo), rloo_vectorized gives 0;
 - stppo's clip path forms its bound 1 ± ε of Python floats in float32 (`surrogate_parts`), so the
   vanilla comparison (TIS on the clip path) agrees to ~1e-8 where a clip binds.
@@ -26,7 +29,8 @@ import pytest
 import torch
 
 from stppo import metric_names as K
-from stppo.algos import agg_loss, is_weights, reinforce_pp_advantages, rloo_advantages
+from stppo.algos import (agg_loss, compute_advantages, is_weights, reinforce_pp_advantages,
+                         rloo_advantages)
 
 from keyword_loss import policy_loss  # the spec's fields as keywords
 from verl.trainer.config import AlgoConfig as VerlAlgoConfig
@@ -61,13 +65,13 @@ def multi_turn(n: int = 8, t: int = 28, seed: int = 0, empty_row: bool = False) 
 
 
 def actor_config(x: dict, agg: str, loss_mode: str, clip_low=0.2, clip_high=0.2,
-                 tau_pos=1.0, tau_neg=1.05, **policy_loss_knobs) -> ActorConfig:
+                 tau_pos=1.0, tau_neg=1.05, clip_ratio_c=3.0, **policy_loss_knobs) -> ActorConfig:
     """verl's real actor config, with the global batch info its `ppo_loss` fills (one rank)."""
     mask = x["response_mask"]
     return ActorConfig(
         strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio=clip_low,
         clip_ratio_low=clip_low, clip_ratio_high=clip_high, loss_agg_mode=agg,
-        tau_pos=tau_pos, tau_neg=tau_neg,
+        tau_pos=tau_pos, tau_neg=tau_neg, clip_ratio_c=clip_ratio_c,
         policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy_loss_knobs),
         global_batch_info={"dp_size": 1, "batch_num_tokens": int(mask.sum()),
                            "global_batch_size": int(mask.any(dim=1).sum())})
@@ -210,6 +214,42 @@ def test_kl_cov_equals_verl(agg, with_is):
 
 
 @pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("with_is", [False, True])
+def test_dppo_equals_verl(mode, agg, with_is):
+    """Thresholds δ_low ≠ δ_high and a truncation C that binds: loss, gradient and verl's three
+    metrics (pg_clipfrac = the tokens out of the region, pg_clipfrac_lower = ρ > C inside it)."""
+    x = multi_turn(seed=12)
+    x["log_prob"] = torch.where(x["response_mask"], x["log_prob"].clamp(max=-0.01), x["log_prob"])
+    w = tis(x) if with_is else None
+    low, high = (0.15, 0.1) if mode == "dppo_tv" else (0.05, 0.03)
+    cfg = actor_config(x, agg, mode, clip_low=low, clip_high=high, clip_ratio_c=1.1)
+    vl, vg, vm = verl_loss(mode, x, agg, cfg, w)
+    sl, sg, sm = stppo_loss(mode, x, agg, w, clip_low=low, clip_high=high,
+                            options={"clip_ratio_c": 1.1})
+    close(sl, vl, rel_for(agg))
+    close(sg, vg, rel_for(agg))
+    close(sm[K.PG_CLIPFRAC], vm["actor/pg_clipfrac"], F32)
+    close(sm[K.PG_CLIPFRAC_LOWER], vm["actor/pg_clipfrac_lower"], F32)
+    close(sm[K.PPO_KL], vm["actor/ppo_kl"], EPS)
+    assert 0 < sm[K.PG_CLIPFRAC].item() < 1 and sm[K.PG_CLIPFRAC_LOWER].item() > 0
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("with_is", [False, True])
+def test_dro_equals_verl(agg, with_is):
+    x = multi_turn(seed=13)
+    w = tis(x) if with_is else None
+    cfg = actor_config(x, agg, "dro", dro_beta=0.3)
+    vl, vg, vm = verl_loss("dro", x, agg, cfg, w)
+    sl, sg, sm = stppo_loss("dro", x, agg, w, options={"beta": 0.3})
+    close(sl, vl, rel_for(agg))
+    close(sg, vg, rel_for(agg))
+    close(sm[K.PPO_KL], vm["actor/ppo_kl"], EPS)
+    assert set(vm) == {"actor/ppo_kl"}  # verl's DRO returns nothing else
+
+
+@pytest.mark.parametrize("agg", AGGS)
 def test_tis_on_the_clip_path_equals_verl_vanilla(agg):
     x = multi_turn(seed=8)
     w = tis(x)
@@ -224,6 +264,34 @@ def test_tis_on_the_clip_path_equals_verl_vanilla(agg):
 
 
 # --- advantages -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("with_is", [False, True])
+def test_tir_optimal_token_baseline_equals_verl(seed, with_is):
+    """Multi-turn rows (observation tokens inside the response mask's gaps), a group of one, an
+    empty row, a unique longest member (the zero tail), finite garbage off the mask."""
+    x = multi_turn(n=12, seed=20 + seed, empty_row=True)
+    mask = x["response_mask"]
+    g = torch.Generator().manual_seed(seed)
+    index = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])  # group 3: one row; row 11: empty
+    rewards = outcome(x, torch.rand(12, dtype=torch.float64, generator=g))
+    rewards = rewards + torch.where(mask, 0.01 * torch.randn(mask.shape, dtype=torch.float64,
+                                                             generator=g), 0.0)
+    s2 = x["old_log_prob"].exp() ** 2 + 0.5 * torch.rand(mask.shape, dtype=torch.float64, generator=g)
+    w = torch.where(mask, 1.5 * torch.rand(mask.shape, dtype=torch.float64, generator=g),
+                    0.0) if with_is else None
+    v_adv, v_ret = core.get_adv_estimator_fn("tir_optimal_token_baseline")(
+        token_level_rewards=rewards, response_mask=mask.to(torch.float64), index=index,
+        old_log_probs=x["old_log_prob"], sum_pi_squared=s2, rollout_is_weights=w,
+        config=VerlAlgoConfig())
+    adv, ret = compute_advantages("tir_optimal_token_baseline", loss_mask=mask, rewards=rewards,
+                                  group_ids=torch.as_tensor(index), old_log_probs=x["old_log_prob"],
+                                  sum_pi_squared=s2, rollout_is_weights=w)
+    close(adv, v_adv, EXACT)
+    close(ret, torch.where(mask, v_ret, 0.0), EXACT)  # verl's returns also fill observation slots
+    lengths = [int(mask[i].sum()) for i in range(4, 9) if index[i] == 2]
+    assert sorted(lengths)[-1] > sorted(lengths)[-2] or seed != 0  # the zero tail is exercised
+
+
 def outcome(x: dict, scores: torch.Tensor) -> torch.Tensor:
     """Token-level rewards: the score at each row's last response token."""
     mask = x["response_mask"]

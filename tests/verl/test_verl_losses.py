@@ -16,6 +16,8 @@ from stppo.metric_names import (CLIP_BIAS_SCALE, PG_CLIPFRAC, PG_CLIPFRAC_LOWER,
 from verl_batch import floats, make_batch, run_ppo_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+# SSPO reads subsentences from the token ids, which verl does not pass to a policy loss
+VERL_PRESETS = [name for name, p in PRESETS.items() if not LOSS_MODES[p.loss_mode].segments]
 TAU = {"none": None, "clip_bias_norm": 0.3, "clip_triggered": 0.5}  # bind on the test batch
 N = 8
 ATOL = 1e-10
@@ -51,7 +53,7 @@ def assert_metrics_equal(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", VERL_PRESETS)
 def test_loss_through_verl_ppo_loss_equals_policy_loss(actor_config, name, agg):
     cfg = actor_config(f"stppo_{name}", agg, **knobs(name))
     b = make_batch(seed=1)
@@ -176,3 +178,11 @@ def test_rollout_is_weights_reach_policy_loss_or_fail_clearly(actor_config):
                 response_mask=b.mask, loss_agg_mode="token-mean", config=cfg)
     # policy_loss multiplies the per-token loss by the weights (verl's semantics)
     assert float(fn(**args, rollout_is_weights=w)[0]) != float(fn(**args)[0])
+
+
+def test_a_loss_that_reads_subsentences_is_one_clear_error_under_verl(actor_config):
+    assert VERL_PRESETS != list(PRESETS)  # sspo is registered, and refuses to run
+    with pytest.raises(ValueError, match="loss_mode='sspo' reads subsentences from the token ids, "
+                                         "which verl does not pass to a policy loss") as e:
+        run_ppo_loss(actor_config("stppo_sspo", "token-mean"), make_batch(seed=8), micro=N)
+    assert "\n" not in str(e.value)

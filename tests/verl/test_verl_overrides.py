@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from local_model import make_local_model
 
-from stppo.algos import PRESETS, LossSpec
+from stppo.algos import LOSS_MODES, PRESETS, LossSpec
 from stppo.config import compose, to_config
 from stppo.integrations.verl import overrides as O
 
@@ -71,7 +72,7 @@ def translate(stppo_overrides: list[str], model_dir: Path, hub_id: str | None = 
     return cfg, c, built
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [n for n, p in PRESETS.items() if not LOSS_MODES[p.loss_mode].segments])
 def test_every_preset_composes_with_verl_and_builds_its_dataclasses(preset, model_dir):
     cfg, c, b = translate([*SMALL, f"algo={preset}", f"model.path={model_dir}"], model_dir)
     p = PRESETS[preset]
@@ -200,6 +201,74 @@ def test_a_loss_other_than_the_presets_reaches_verl(model_dir):
     loss = b["actor"].policy_loss
     assert loss.loss_mode == "stppo_ppo" and LossSpec.from_dict(loss.spec).loss_mode == "cispo"
     assert LossSpec.from_dict(loss.spec) == cfg.algo.spec
+
+
+@pytest.mark.parametrize("algo", [["algo=tir_optimal_token_baseline"],
+                                  ["algo=grpo", "algo.advantage=tir_optimal_token_baseline"]])
+def test_the_optimal_token_baseline_gets_verls_sum_pi_squared_and_legacy_trainer(algo, model_dir):
+    """verl 0.9.1 computes Σπ² only with calculate_sum_pi_squared, unfused kernels and its legacy
+    trainer (its v1 trainer never fetches it for `compute_advantage`)."""
+    cfg, c, b = translate([*SMALL, *algo, f"model.path={model_dir}"], model_dir)
+    assert b["algorithm"].adv_estimator == "tir_optimal_token_baseline" and b["critic"] is None
+    assert b["actor"].calculate_sum_pi_squared and not c.actor_rollout_ref.model.use_fused_kernels
+    assert c.trainer.use_v1 is False
+    cfg, c, b = translate([*SMALL, "algo=grpo", f"model.path={model_dir}"], model_dir)
+    assert not b["actor"].calculate_sum_pi_squared and c.trainer.use_v1 is True  # verl's defaults
+
+
+def test_the_new_baselines_options_reach_verl_and_sspo_is_refused(model_dir):
+    cfg, c, b = translate([*SMALL, "algo=dppo_kl", "+algo.loss_options.clip_ratio_c=5.0",
+                           f"model.path={model_dir}"], model_dir)
+    spec = LossSpec.from_dict(b["actor"].policy_loss.spec)
+    assert spec.loss_mode == "dppo_kl" and dict(spec.options) == {"clip_ratio_c": 5.0}
+    assert (b["actor"].clip_ratio_low, b["actor"].clip_ratio_high) == (0.05, 0.05)  # δ_low, δ_high
+    with pytest.raises(ValueError, match="algo.loss_mode=sspo reads subsentences from the token ids") as e:
+        translate([*SMALL, "algo=sspo", f"model.path={model_dir}"], model_dir)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset", O.VERL_LOSS_MODES)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_verls_own_loss_on_the_translated_config_is_the_runs_loss(preset, agg, model_dir):
+    """dppo_tv, dppo_kl, dro: the translated actor config read by verl's own loss of that name
+    (policy_loss.loss_mode swapped, stppo's keys dropped) gives the stppo_<preset> loss the run
+    trains with, through verl's ppo_loss: the same loss, gradient and verl's metrics — δ_low,
+    δ_high from clip_ratio_low/high, DPPO's C from clip_ratio_c, DRO's β from dro_beta."""
+    import copy
+
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_batch import floats, make_batch, run_ppo_loss
+
+    opts = {"dro": "+algo.loss_options.beta=0.3"}.get(preset, "+algo.loss_options.clip_ratio_c=1.5")
+    cfg, c, b = translate([*SMALL, f"algo={preset}", opts, f"algo.loss_agg={agg}",
+                           f"model.path={model_dir}"], model_dir)
+    node = copy.deepcopy(c).actor_rollout_ref.actor
+    with open_dict(node):
+        node.policy_loss = {k: v for k, v in node.policy_loss.items() if k not in O.LOSS_FIELDS}
+        node.policy_loss.loss_mode = preset
+        node.policy_loss._target_ = "verl.workers.config.PolicyLossConfig"
+    own = omega_conf_to_dataclass(node)
+    assert type(own.policy_loss).__name__ == "PolicyLossConfig"
+    if preset == "dro":
+        assert own.policy_loss.dro_beta == 0.3
+    else:
+        assert (own.clip_ratio_low, own.clip_ratio_high, own.clip_ratio_c) == (
+            cfg.algo.clip_low, cfg.algo.clip_high, 1.5)
+    batch = make_batch(seed=11, garbage=0.0)  # verl's losses multiply by the mask: finite garbage
+    want_l, want_m, want_g = run_ppo_loss(own, batch, micro=4)
+    got_l, got_m, got_g = run_ppo_loss(b["actor"], batch, micro=4)
+    for g, w in zip(got_l, want_l):
+        assert float(g) == pytest.approx(float(w), rel=1e-12, abs=1e-12)
+    assert torch.allclose(got_g, want_g, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_m, want_m):
+        got, want = floats(got), floats(want)
+        for k, v in want.items():  # verl's fractions are float32
+            assert got[k] == pytest.approx(v, rel=1e-7, abs=1e-7), k
+    if preset != "dro":  # the truncation binds, the region excludes some tokens
+        fracs = [floats(m) for m in want_m]
+        assert max(m["actor/pg_clipfrac_lower"] for m in fracs) > 0
+        assert max(m["actor/pg_clipfrac"] for m in fracs) > 0
 
 
 STALE = [*SMALL, "backend.n_gpus_per_node=8"]

@@ -29,6 +29,9 @@ mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
   loss corrects as verl's `compute_policy_loss_bypass_mode` does (`bypass_correction`): weights
   and rejection from the micro-batch's log_prob (detached) against it, the `rollout_corr/*`
   metrics of that comparison, `reinforce` in place of the preset's loss for loss_type reinforce.
+
+A loss mode that reads subsentences (SSPO) cannot run here: verl passes no token ids to a policy
+loss, so its `stppo_<preset>` loss is one clear error (and the launcher rejects it before Ray).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ DEFAULT_MAX_TURNS = 4  # per-turn metrics without StppoPolicyLossConfig.max_turn
 GRAD_ESTIMATOR_ERROR = (
     "correction estimator 'grad' needs the policy parameters, which verl does not pass to a "
     "policy loss; use estimator=token with the verl backend")
+SEGMENTS_ERROR = ("reads subsentences from the token ids, which verl does not pass to a policy "
+                  "loss; train it with stppo's own backend")
 
 
 def verl_loss_agg(loss_agg_mode: str) -> str:
@@ -147,6 +152,8 @@ def verl_spec(name: str, loss_agg_mode: str, config: Any) -> LossSpec:
         base = preset.spec(correction=correction, options={**preset.options, **options})
     if base.correction is not None and base.correction.estimator == "grad":
         raise ValueError(GRAD_ESTIMATOR_ERROR)
+    if LOSS_MODES[base.loss_mode].segments:
+        raise ValueError(f"loss_mode={base.loss_mode!r} {SEGMENTS_ERROR}")
     clip_low, clip_high, dual_clip = _clip_ranges(config)
     if not LOSS_MODES[base.loss_mode].dual_clip:  # verl's c applies to the modes that have one
         dual_clip = None
@@ -238,9 +245,10 @@ def make_verl_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, flo
                           global_denoms=denoms, rollout_is_weights=weights)
         metrics = {**out.metrics, **corr}
         with torch.no_grad():
-            metrics[PG_CLIPFRAC_LOWER] = (
-                dual_clip_fraction(out.ratio, advantages, kept, spec.dual_clip)
-                if spec.dual_clip is not None else out.ratio.new_zeros(()))
+            if PG_CLIPFRAC_LOWER not in metrics:  # DPPO returns its own (its truncation's share)
+                metrics[PG_CLIPFRAC_LOWER] = (
+                    dual_clip_fraction(out.ratio, advantages, kept, spec.dual_clip)
+                    if spec.dual_clip is not None else out.ratio.new_zeros(()))
             metrics.update(verl_turn_metrics(out.ratio, out.clipped, log_prob, old_log_prob,
                                              advantages, kept, turn_ids, _max_turns(config)))
         return out.loss, metrics_to_floats(metrics)

@@ -9,8 +9,13 @@ is rejected by `check_translatable` when it would change the run):
                              (`_target_`) carrying the whole spec (policy_loss.spec: ratio level,
                              correction, loss mode and options, …) and, for a researcher's preset,
                              the stabiliser's import path (policy_loss.plugin); the advantage →
-                             algorithm.adv_estimator, the critic → critic.enable
+                             algorithm.adv_estimator (tir_optimal_token_baseline also →
+                             actor.calculate_sum_pi_squared, unfused kernels, trainer.use_v1=false),
+                             the critic → critic.enable; a loss mode that reads subsentences
+                             (sspo) is rejected
   algo.clip_low/high         actor.clip_ratio_low/high        (dual_clip → actor.clip_ratio_c)
+  loss options of dppo_*/dro clip_ratio_c → actor.clip_ratio_c, beta → policy_loss.dro_beta: the
+                             keys verl's own dppo_tv, dppo_kl, dro read (VERL_LOSS_MODES)
   algo.loss_agg              actor.loss_agg_mode
   algo.rollout_correction    algorithm.rollout_correction.<field> for verl's seven fields (rollout_is,
                              rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
@@ -80,7 +85,22 @@ REWARD_NAME = "compute_score"
 TOOL_FORMAT = "search_r1"  # the ToolParser registered by stppo.integrations.verl.tool
 AGENT_LOOP = "search_r1_agent"  # the tool agent loop with Search-R1's stop tags (tool.py)
 
-ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus"}
+# Loss modes whose settings verl 0.9.1 reads from its own keys, each mode with verl's loss of the
+# same name: a run still trains with stppo_<preset> (the same numbers, tests/verl, plus stppo's
+# diagnostics), and its actor config is also the one verl's own loss reads (`_verl_loss_knobs`):
+# swapping policy_loss.loss_mode for verl's name changes neither the loss nor its gradient.
+VERL_LOSS_MODES = ("dppo_tv", "dppo_kl", "dro")
+ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
+                  "tir_optimal_token_baseline": "tir_optimal_token_baseline"}
+# verl 0.9.1 computes Σπ² (the optimal token baseline's input) only with the actor's
+# calculate_sum_pi_squared, unfused kernels, and in its legacy trainer: the v1 trainer
+# (trainer/ppo/v1/trainer_base.py) neither asks its workers for it in `_compute_old_log_prob` nor
+# reads it in `_compute_advantage`, so `compute_advantage` fails its "sum_pi_squared" assert.
+SUM_PI_SQUARED = {"actor_rollout_ref.actor.calculate_sum_pi_squared": True,
+                  "actor_rollout_ref.model.use_fused_kernels": False, "trainer.use_v1": False}
+SEGMENTS_ERROR = ("reads subsentences from the token ids, which verl 0.9.1 does not pass to a policy "
+                  "loss (its ppo_loss hands over log-probs, advantages and the response mask only); "
+                  "train it with backend=own")
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 MAX_TOOL_RESPONSE_CHARS = 8192  # verl truncates longer tool responses (middle); 3 passages fit
@@ -140,10 +160,14 @@ def per_turn_count(cfg: Config) -> int:
 def check_translatable(cfg: Config) -> None:
     """Reject settings the verl backend cannot honour (one line naming the field)."""
 
+    from stppo.algos import LOSS_MODES
+
     a, t = cfg.algo, cfg.trainer
     c = a.spec.correction
     if c is not None and c.estimator == "grad":
         raise ValueError(f"algo.correction.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
+    if LOSS_MODES[a.spec.loss_mode].segments:
+        raise ValueError(f"algo.loss_mode={a.spec.loss_mode} {SEGMENTS_ERROR}")
     if a.advantage not in ADV_ESTIMATORS:
         raise ValueError(f"algo.advantage={a.advantage} has no verl estimator; backend=verl supports "
                          f"{', '.join(ADV_ESTIMATORS)}")
@@ -277,6 +301,8 @@ def _algorithm(cfg: Config) -> dict[str, Any]:
     o: dict[str, Any] = {"algorithm.adv_estimator": ADV_ESTIMATORS[a.advantage], "algorithm.gamma": a.gamma,
                          "algorithm.lam": a.gae_lambda, "algorithm.norm_adv_by_std_in_grpo": True,
                          "algorithm.use_kl_in_reward": a.kl.coef > 0 and a.kl.in_reward}
+    if a.advantage == "tir_optimal_token_baseline":
+        o.update(SUM_PI_SQUARED)
     if a.kl.coef > 0 and a.kl.in_reward:
         o.update({"algorithm.kl_penalty": a.kl.estimator, "algorithm.kl_ctrl.type": "fixed",
                   "algorithm.kl_ctrl.kl_coef": a.kl.coef})
@@ -315,9 +341,22 @@ def _actor(cfg: Config) -> dict[str, Any]:
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": cfg.backend.micro_batch_size_per_gpu,
     }
     o[f"{ACTOR}.clip_ratio_c"] = a.dual_clip if a.dual_clip is not None else NO_DUAL_CLIP
+    o.update(_verl_loss_knobs(a.spec, pl))
     if a.kl.coef > 0 and not a.kl.in_reward:
         o.update({f"{ACTOR}.kl_loss_coef": a.kl.coef, f"{ACTOR}.kl_loss_type": a.kl.estimator})
     return o
+
+
+def _verl_loss_knobs(spec, pl: str) -> dict[str, Any]:
+    """verl's own keys of the VERL_LOSS_MODES, set to the spec's values: DPPO's truncation C is
+    verl's `actor.clip_ratio_c` (DPPO has no dual clip; δ_low, δ_high are clip_ratio_low/high
+    already), DRO's β its `policy_loss.dro_beta` (required, no default). The stppo_* loss itself
+    reads the spec."""
+    if spec.loss_mode in ("dppo_tv", "dppo_kl"):
+        return {f"{ACTOR}.clip_ratio_c": spec.options["clip_ratio_c"]}
+    if spec.loss_mode == "dro":
+        return {f"{pl}.dro_beta": spec.options["beta"]}
+    return {}
 
 
 def _rollout(cfg: Config, files: JobFiles) -> dict[str, Any]:
