@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stppo import metric_names as K
-from keyword_loss import policy_loss
 from test_algos_baselines import grad_of, one_row, run
-from test_algos_helpers import loop_agg, make_inputs, with_garbage
+from test_algos_helpers import (check_garbage_is_ignored, check_half_batches_sum_to_whole, check_one_line_error,
+                                loop_agg, make_inputs)
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 MODES = ("dppo_tv", "dppo_kl", "dro")
@@ -163,38 +163,13 @@ def test_dro_tends_to_the_plain_policy_gradient_as_beta_goes_to_zero():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("agg", AGGS)
 def test_garbage_on_masked_positions_changes_neither_loss_nor_gradient(mode, agg):
-    x = inputs(6, 16, 6)
-    omega = 0.5 + torch.rand(x["advantages"].shape, dtype=torch.float64,
-                             generator=torch.Generator().manual_seed(1))
-    a, g_a, m_a = grad_of(x, mode, loss_agg=agg, rollout_is_weights=omega)
-    y = {**x, "log_probs": with_garbage(x["log_probs"], x["loss_mask"], 1),
-         "old_log_probs": with_garbage(x["old_log_probs"], x["loss_mask"], 2),
-         "advantages": with_garbage(x["advantages"], x["loss_mask"], 3)}
-    b, g_b, m_b = grad_of(y, mode, loss_agg=agg,
-                          rollout_is_weights=with_garbage(omega, x["loss_mask"], 4))
-    assert a.item() == b.item()
-    assert torch.equal(torch.where(x["loss_mask"], g_a, 0.0), torch.where(x["loss_mask"], g_b, 0.0))
-    assert torch.equal(g_b[~x["loss_mask"]], torch.zeros_like(g_b[~x["loss_mask"]]))
-    for k in m_a:
-        assert torch.equal(m_a[k], m_b[k]), k
+    check_garbage_is_ignored(lambda d, **kw: grad_of(d, mode, **kw), inputs(6, 16, 6), agg)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("agg", AGGS)
 def test_half_batches_with_global_denominators_sum_to_whole_batch(mode, agg):
-    from stppo.algos import agg_denoms
-
-    x = inputs(8, 14, 7)
-    whole, g_whole, _ = grad_of(x, mode, loss_agg=agg)
-    denoms = agg_denoms(x["loss_mask"])
-    total, grads = 0.0, []
-    for rows in (slice(0, 3), slice(3, 8)):
-        part = {k: v[rows] for k, v in x.items()}
-        loss, g, _ = grad_of(part, mode, loss_agg=agg, global_denoms=denoms)
-        total += loss.item()
-        grads.append(g)
-    assert total == pytest.approx(whole.item(), rel=1e-12)
-    assert torch.allclose(torch.cat(grads), g_whole, atol=1e-15)
+    check_half_batches_sum_to_whole(lambda d, **kw: grad_of(d, mode, **kw), inputs(8, 14, 7), agg)
 
 
 @pytest.mark.parametrize("mode", ("dppo_tv", "dppo_kl"))
@@ -230,9 +205,4 @@ def test_dro_gradcheck_float64():
     (dict(loss_mode="dppo_tv", ratio_level="turn"), "defined at ratio_level token, got 'turn'"),
 ])
 def test_invalid_options_are_one_line_errors(kwargs, match):
-    x = make_inputs(2, 6, seed=0)
-    kw = {"ratio_level": "token", **kwargs}
-    with pytest.raises(ValueError, match=match) as e:
-        policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
-                    x["turn_ids"], clip_low=0.2, clip_high=0.2, loss_agg="token-mean", **kw)
-    assert "\n" not in str(e.value)
+    check_one_line_error(match, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 
@@ -109,3 +110,53 @@ def loop_surrogate(rho, adv, mask, clip_low, clip_high, dual_clip=None):
         s_rows.append(torch.stack(row))
     s = torch.stack(s_rows)
     return s, hi, lo
+
+
+def check_garbage_is_ignored(grad, x: dict, agg: str, extra: dict | None = None) -> None:
+    """A loss `grad(inputs, **kw) -> (loss, d loss / d log π, metrics)` ignores masked positions:
+    finite garbage there (log-probs, old log-probs, advantages, IS weights, and `extra`'s
+    replacements) changes neither the loss, nor the gradient on agent tokens, nor a metric, and
+    the gradient off them is 0."""
+    mask = x["loss_mask"]
+    omega = 0.5 + torch.rand(x["advantages"].shape, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(1))
+    a, g_a, m_a = grad(x, loss_agg=agg, rollout_is_weights=omega)
+    y = {**x, "log_probs": with_garbage(x["log_probs"], mask, 1),
+         "old_log_probs": with_garbage(x["old_log_probs"], mask, 2),
+         "advantages": with_garbage(x["advantages"], mask, 3), **(extra or {})}
+    b, g_b, m_b = grad(y, loss_agg=agg, rollout_is_weights=with_garbage(omega, mask, 4))
+    assert a.item() == b.item()
+    assert torch.equal(torch.where(mask, g_a, 0.0), torch.where(mask, g_b, 0.0))
+    assert torch.equal(g_b[~mask], torch.zeros_like(g_b[~mask]))
+    for k in m_a:
+        assert torch.equal(m_a[k], m_b[k]), k
+
+
+def check_half_batches_sum_to_whole(grad, x: dict, agg: str) -> None:
+    """Rows 0–2 and 3–7 with the whole batch's denominators (`agg_denoms`) sum to the whole
+    batch's loss and gradient. `grad` as in `check_garbage_is_ignored`; every value of `x` is
+    split by rows."""
+    from stppo.algos import agg_denoms
+
+    whole, g_whole, _ = grad(x, loss_agg=agg)
+    denoms = agg_denoms(x["loss_mask"])
+    total, grads = 0.0, []
+    for rows in (slice(0, 3), slice(3, 8)):
+        loss, g, _ = grad({k: v[rows] for k, v in x.items()}, loss_agg=agg, global_denoms=denoms)
+        total += loss.item()
+        grads.append(g)
+    assert total == pytest.approx(whole.item(), rel=1e-12)
+    assert torch.allclose(torch.cat(grads), g_whole, atol=1e-15)
+
+
+def check_one_line_error(match: str, **kwargs) -> None:
+    """`policy_loss` on a small token-level batch with `kwargs` raises ValueError matching
+    `match`, in one line."""
+    from keyword_loss import policy_loss
+
+    x = make_inputs(2, 6, seed=0)
+    kw = {"ratio_level": "token", **kwargs}
+    with pytest.raises(ValueError, match=match) as e:
+        policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
+                    x["turn_ids"], clip_low=0.2, clip_high=0.2, loss_agg="token-mean", **kw)
+    assert "\n" not in str(e.value)

@@ -11,7 +11,7 @@ import torch
 from stppo import metric_names as K
 from stppo.algos.segments import subsentence_ids, subsentence_runs
 from keyword_loss import policy_loss
-from test_algos_helpers import loop_agg, make_inputs, with_garbage
+from test_algos_helpers import check_garbage_is_ignored, check_half_batches_sum_to_whole, loop_agg, make_inputs
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -226,42 +226,23 @@ def test_at_ratio_one_the_loss_is_minus_agg_a_and_the_gradient_the_subsentence_m
 
 
 # --- invariances, split batches, gradients --------------------------------------------------------
+def _with_ends(d: dict, **kw):
+    """grad_of with the subsentence ends riding in the inputs (so a row split splits them too)."""
+    return grad_of({k: v for k, v in d.items() if k != "ends"}, d["ends"], **kw)
+
+
 @pytest.mark.parametrize("agg", AGGS)
 def test_garbage_on_masked_positions_changes_neither_loss_nor_gradient(agg):
     x = make_inputs(6, 16, seed=6, dtype=torch.float64)
-    ends = delimiters(x, 6)
-    omega = 0.5 + torch.rand(x["advantages"].shape, dtype=torch.float64,
-                             generator=torch.Generator().manual_seed(1))
-    a, g_a, m_a = grad_of(x, ends, loss_agg=agg, rollout_is_weights=omega)
-    y = {**x, "log_probs": with_garbage(x["log_probs"], x["loss_mask"], 1),
-         "old_log_probs": with_garbage(x["old_log_probs"], x["loss_mask"], 2),
-         "advantages": with_garbage(x["advantages"], x["loss_mask"], 3),
-         "turn_ids": torch.where(x["loss_mask"], x["turn_ids"], 99)}
-    b, g_b, m_b = grad_of(y, ends, loss_agg=agg,
-                          rollout_is_weights=with_garbage(omega, x["loss_mask"], 4))
-    assert a.item() == b.item()
-    assert torch.equal(torch.where(x["loss_mask"], g_a, 0.0), torch.where(x["loss_mask"], g_b, 0.0))
-    assert torch.equal(g_b[~x["loss_mask"]], torch.zeros_like(g_b[~x["loss_mask"]]))
-    for k in m_a:
-        assert torch.equal(m_a[k], m_b[k]), k
+    x["ends"] = delimiters(x, 6)
+    check_garbage_is_ignored(_with_ends, x, agg, extra={"turn_ids": torch.where(x["loss_mask"], x["turn_ids"], 99)})
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_half_batches_with_global_denominators_sum_to_whole_batch(agg):
-    from stppo.algos import agg_denoms
-
     x = make_inputs(8, 14, seed=7, dtype=torch.float64)
-    ends = delimiters(x, 7)
-    whole, g_whole, _ = grad_of(x, ends, loss_agg=agg)
-    denoms = agg_denoms(x["loss_mask"])
-    total, grads = 0.0, []
-    for rows in (slice(0, 3), slice(3, 8)):
-        loss, g, _ = grad_of({k: v[rows] for k, v in x.items()}, ends[rows], loss_agg=agg,
-                             global_denoms=denoms)
-        total += loss.item()
-        grads.append(g)
-    assert total == pytest.approx(whole.item(), rel=1e-12)
-    assert torch.allclose(torch.cat(grads), g_whole, atol=1e-15)
+    x["ends"] = delimiters(x, 7)
+    check_half_batches_sum_to_whole(_with_ends, x, agg)
 
 
 def test_gradcheck_float64():
