@@ -137,17 +137,23 @@ def stale_b_cells():
     return (StaleCell("ppo", 0, 2, 1), StaleCell("ppo", 2, 2, 2))
 
 
+def write_stale_experiments(uri: str) -> None:
+    """The two stale experiments, `stale_a` and `stale_b`."""
+    from analysis.synthetic_stale import write_stale_study
+
+    write_stale_study(uri, STALE)
+    write_stale_study(uri, STALE_B, stale_b_cells())
+
+
 def build_workbench_store(root: Path) -> str:
     from analysis.synthetic import write_demo_study, write_signal_study
-    from analysis.synthetic_stale import write_stale_study
 
     root.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     if not (root / "done").exists():
         write_demo_study(uri, DEMO, seeds=(0, 1), steps=40, per_step=False, diagnostics=True, samples_every=10)
         write_signal_study(uri, SIGNAL, SIGNAL_RUNS, steps=40)
-        write_stale_study(uri, STALE)
-        write_stale_study(uri, STALE_B, stale_b_cells())
+        write_stale_experiments(uri)
         (root / "done").touch()
     return uri
 
@@ -159,13 +165,10 @@ def workbench_uri(tmp_path_factory) -> str:
 
 def build_stale_store(root: Path) -> str:
     """A store of the two stale experiments only (the dashboard opens on `stale_a`)."""
-    from analysis.synthetic_stale import write_stale_study
-
     root.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     if not (root / "done").exists():
-        write_stale_study(uri, STALE)
-        write_stale_study(uri, STALE_B, stale_b_cells())
+        write_stale_experiments(uri)
         (root / "done").touch()
     return uri
 

@@ -37,7 +37,7 @@ from stppo.batch import Batch
 from stppo.config import OffPolicyConfig
 from stppo.models import Precision
 from stppo.train.dapo import concat_batches, rows
-from stppo.train.prepare import _log_probs, forward_in_chunks
+from stppo.train.prepare import eval_log_probs
 
 # roll(model, questions, generator, group_ids) → Batch: one rollout of `questions` (each
 # repeated group_size times, consecutive) by `model`
@@ -153,7 +153,7 @@ class StaleSampler:
         if age > 0:
             device = next(model.parameters()).device
             with self.precision.autocast():
-                stale = forward_in_chunks(_log_probs(model), b.to(device), self.chunk).float().cpu()
+                stale = eval_log_probs(model, b.to(device), self.chunk).float().cpu()
         return replace(b, rollout_lags=torch.full((n,), age, dtype=torch.long), stale_log_probs=stale)
 
 
@@ -165,12 +165,8 @@ def live_log_probs(batch: Batch, policy: torch.nn.Module, bypass: bool, precisio
     one forward of the live policy for `offpolicy/kl_to_current` alone."""
     if not bypass:
         return batch.old_log_probs
-    was_training = policy.training
-    policy.eval()
     with precision.autocast():
-        out = forward_in_chunks(_log_probs(policy), batch, chunk)
-    policy.train(was_training)
-    return out
+        return eval_log_probs(policy, batch, chunk)
 
 
 def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tensor] = None,

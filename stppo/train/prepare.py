@@ -60,6 +60,17 @@ def _log_probs_sum_pi_squared(model):
     return lambda ids, mask, pos: policy_log_probs_sum_pi_squared(model, ids, mask, positions=pos)
 
 
+def eval_log_probs(model, batch: Batch, chunk: int, of=_log_probs):
+    """`forward_in_chunks` of `of(model)` (log-probs; or log-probs and Σπ²) with the model in eval
+    mode, its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        return forward_in_chunks(of(model), batch, chunk)
+    finally:
+        model.train(was_training)
+
+
 # --- subsentences (SSPO) ------------------------------------------------------------------------
 SUBSENTENCE_ENDS = "stppo_subsentence_ends"  # the policy's attribute: (V,) bool, ids ending one
 
@@ -137,14 +148,10 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
         old = pi_sq = None
         if rc.bypass_mode:  # π_old := π_rollout
             old = sampler_log_probs(batch, rc)
+        elif otb:
+            old, pi_sq = eval_log_probs(policy, batch, chunk, of=_log_probs_sum_pi_squared)
         elif not skip_old:
-            was_training = policy.training
-            policy.eval()
-            if otb:
-                old, pi_sq = forward_in_chunks(_log_probs_sum_pi_squared(policy), batch, chunk)
-            else:
-                old = forward_in_chunks(_log_probs(policy), batch, chunk)
-            policy.train(was_training)
+            old = eval_log_probs(policy, batch, chunk)
         ref_lp = forward_in_chunks(_log_probs(ref), batch, chunk) if ref is not None else None
         values = (forward_in_chunks(lambda i, m, p: critic.values(i, m, positions=p), batch, chunk)
                   if critic is not None else None)
