@@ -4,7 +4,10 @@ out of sample against the best single indicator (docs/design.md §4, "Early warn
 Features. For run r at step t, x_{r,t} = (a_{r,t}^i)_i: the alarm statistic of every indicator i of
 `stppo.alarms` at that step (`analysis.warning.run_statistics`: the robust z-score against the
 run's first values, held for `persist` values), clipped to [−Z_CLIP, Z_CLIP]; an indicator not yet
-defined (baseline) or not logged contributes 0 (no evidence either way).
+defined (baseline) or not logged contributes 0 (no evidence either way). The indicators are every
+one of the registry, the mismatch and staleness ones included (`rollout_chi2`, `offpolicy_kl`,
+`rollout_is_ess_drop`): runs that did not log their metrics (study v2's, on-policy without
+`trainer.offpolicy`) have 0 for them at every step.
 
 Model. c_{r,t} = b + w·(x_{r,t} − μ)/σ, a logistic regression with an L2 penalty (strength `l2`
 on w, not on b; μ, σ the training rows' mean and std), fitted on step rows labelled
@@ -19,12 +22,16 @@ of c over its window (collapsed: steps ≤ onset; otherwise every step), as for 
 (`analysis.warning`). θ is fixed on the training runs: the smallest threshold whose false-alarm
 rate over the training runs without collapse is ≤ `max_false_alarm` (ties broken upward).
 
-Evaluation. Cross-validation grouped by preset (`algo`; leave one preset out): no preset is both
-fitted and tested on. For every held-out run: its score, θ of its fold, first alarm, warned, lead
-time (onset − first alarm) or false alarm. The pooled ROC AUC ranks the held-out runs by their
-margin S − θ_fold (the decision each fold actually makes). The baseline, "best single", is chosen
-on the training runs of each fold too — the indicator with the highest training AUC, its own
-threshold fixed on the training runs the same way — and evaluated on the held-out runs.
+Evaluation. Cross-validation grouped by preset (leave one preset out): the fold of a run is its
+base preset (`analysis.axes.base_preset` of `algo`; the runs' `algo` tag is the preset already,
+a per-run table's label may carry the correction), so the runs of a preset with a rollout
+correction or in the coupled form (`grpo+decoupled_geo_rs`, `ppo+bypass_ppo_clip`) are held out
+with their preset's: no preset is both fitted and tested on. For every held-out run: its score,
+θ of its fold, first alarm, warned, lead time (onset − first alarm) or false alarm. The pooled
+ROC AUC ranks the held-out runs by their margin S − θ_fold (the decision each fold actually
+makes). The baseline, "best single", is chosen on the training runs of each fold too — the
+indicator with the highest training AUC, its own threshold fixed on the training runs the same
+way — and evaluated on the held-out runs.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from scipy.optimize import minimize
 
 from stppo.alarms import AlarmConfig
 
+from .axes import base_preset
 from .collapse import collapse_table
 from .store import AnalysisError
 from .warning import roc_auc, roc_curve, run_statistics
@@ -59,7 +67,7 @@ class Settings:
     horizon: int = 5  # steps before the onset labelled 1
     l2: float = 1.0
     max_false_alarm: float = 0.1
-    group: str = "algo"  # the cross-validation's groups
+    group: str = "algo"  # the cross-validation's groups (a preset label counts as its base preset)
 
 
 # --- features and labels ---------------------------------------------------------------------------
@@ -191,7 +199,9 @@ def cross_validate(features: pd.DataFrame, collapse: pd.DataFrame, runs: pd.Data
                    settings: Settings = Settings()) -> pd.DataFrame:
     """Held-out outcomes of the combined alarm and of the best single indicator per fold
     (columns RUN_COLUMNS; `indicator` = the combined model or the fold's chosen indicator)."""
-    groups = runs.assign(run_id=runs["run_id"].astype(str)).set_index("run_id")[settings.group]
+    groups = runs.assign(run_id=runs["run_id"].astype(str)).set_index("run_id")[settings.group].astype(str)
+    if settings.group == "algo":
+        groups = groups.map(base_preset)
     rid = features.index.get_level_values(0).astype(str)
     fold_of = groups.reindex(rid).astype(str).to_numpy()
     labels = step_labels(features.index, collapse, settings.horizon).to_numpy()

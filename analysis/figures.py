@@ -226,7 +226,7 @@ def fig_clip_kl(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
                         log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean and 95% CI)")
 
 
-def _frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
+def frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
     """(preset label, lag mode or None) per line, presets in PRESET_ORDER; the mode only when the
     cells have several."""
     modes = "lag_mode" in cells.columns and cells["lag_mode"].nunique() > 1
@@ -236,12 +236,23 @@ def _frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
     return sorted(out, key=lambda s: (rank.get(base_preset(s[0]), len(rank)), s[0], s[1] or ""))
 
 
-def _draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dict | None,
-                   series: list[tuple[str, str | None]] | None = None) -> None:
-    """P(collapse) with its Wilson bars per series (`_frontier_series`) at the positions of
-    `order` (a corrected preset dashed, a lag mode other than fixed dotted with hollow markers)."""
+def cell_errorbar(ax, cells: pd.DataFrame, xs, y: str, *, color, marker: str, ls: str = "-",
+                  hollow: bool = False, label: str | None = None):
+    """One line of cells at positions `xs`: column `y` with bars to its interval (`y`_low,
+    `y`_high, as `analysis.frontier.cell_table` names them); no bar where a bound is NaN."""
+    err = np.vstack([cells[y] - cells[f"{y}_low"], cells[f"{y}_high"] - cells[y]])
+    err = np.nan_to_num(err, nan=0.0).clip(min=0.0)  # float noise at 0, 1
+    return ax.errorbar(xs, cells[y], yerr=err, marker=marker, ms=5, lw=1.2, capsize=2, ls=ls, color=color,
+                       mfc="none" if hollow else None, label=label)
+
+
+def draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dict | None,
+                   series: list[tuple[str, str | None]] | None = None, y: str = "collapse_p") -> None:
+    """`y` (default P(collapse) with its Wilson bars) per series (`frontier_series`) at the
+    positions of `order` (a corrected preset dashed, a lag mode other than fixed dotted with hollow
+    markers)."""
     pos = {v: i for i, v in enumerate(order)}
-    series = series if series is not None else _frontier_series(cells)
+    series = series if series is not None else frontier_series(cells)
     for off, (algo, mode) in zip(np.linspace(-0.22, 0.22, max(1, len(series))), series):
         c = cells[(cells["algo"] == algo) & (cells[x].isin(list(order)))]
         if mode is not None:
@@ -249,27 +260,28 @@ def _draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dic
         if c.empty:
             continue
         c = c.assign(_x=c[x].map(pos) + off).sort_values("_x")
-        err = np.vstack([c["collapse_p"] - c["collapse_p_low"],
-                         c["collapse_p_high"] - c["collapse_p"]]).clip(min=0.0)  # float noise at 0, 1
         odd_mode = mode not in (None, DEFAULT_LAG_MODE)
         ls = {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}["+" in algo, odd_mode]
-        ax.errorbar(c["_x"], c["collapse_p"], yerr=err, marker=preset_marker(base_preset(algo)), ms=5, lw=1.2,
-                    capsize=2, ls=ls, color=preset_color(base_preset(algo)), mfc="none" if odd_mode else None,
-                    label=algo + (f" ({mode})" if mode is not None else ""))
+        cell_errorbar(ax, c, c["_x"], y, color=preset_color(base_preset(algo)), marker=preset_marker(base_preset(algo)),
+                      ls=ls, hollow=odd_mode, label=algo + (f" ({mode})" if mode is not None else ""))
     ax.set_xticks(range(len(order)), [(labels or {}).get(v, str(v)) for v in order], fontsize=8)
     ax.set_ylim(-0.03, 1.03)
     ax.grid(alpha=0.3)
 
 
+FRONTIER_YLABEL = {"collapse_p": "P(collapse)  (Wilson 95%)", "final_success": "final val success  (bootstrap 95%)"}
+
+
 def fig_frontier(cells: pd.DataFrame, levels: Sequence, *, labels: dict | None = None, x: str = "level",
-                 xlabel: str = "off-policyness level") -> Figure:
-    """Collapse probability (Wilson 95% bars) against the cells' column `x` (the level, or the
-    lag) at the values `levels` in order, one line per preset label (and lag mode)."""
+                 xlabel: str = "off-policyness level", y: str = "collapse_p") -> Figure:
+    """Collapse probability (Wilson 95% bars; or another cell column `y` with its interval, e.g.
+    final_success) against the cells' column `x` (the level, or the lag) at the values `levels`
+    in order, one line per preset label (and lag mode)."""
     fig = Figure(figsize=(9.5, 5.2), constrained_layout=True)
     ax = fig.subplots()
-    _draw_frontier(ax, cells, levels, x, labels)
+    draw_frontier(ax, cells, levels, x, labels, y=y)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("P(collapse)  (Wilson 95%)")
+    ax.set_ylabel(FRONTIER_YLABEL.get(y, y))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="preset", title_fontsize=7)
     return fig
 
@@ -281,9 +293,9 @@ def fig_frontier_grid(cells: pd.DataFrame, levels: Sequence[str], lags: Sequence
     fig = Figure(figsize=(3.2 * max(1, len(levels)) + 2.2, 4.4), constrained_layout=True)
     axes = np.atleast_1d(fig.subplots(1, max(1, len(levels)), sharey=True))
     handles: dict[str, object] = {}
-    series = _frontier_series(cells)  # the same lines in every panel
+    series = frontier_series(cells)  # the same lines in every panel
     for ax, lv in zip(axes, levels):
-        _draw_frontier(ax, cells[cells["level"] == lv], lags, "lag", None, series)
+        draw_frontier(ax, cells[cells["level"] == lv], lags, "lag", None, series)
         ax.set_title((labels or {}).get(lv, lv), fontsize=8)
         ax.set_xlabel("lag k")
         handles |= dict(zip(*reversed(ax.get_legend_handles_labels())))

@@ -20,7 +20,7 @@ test) are adjusted with Holm's step-down method (Holm 1979), which controls the 
 rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
 Pooled contrasts (`contrast_table`, contrasts.csv): pre-specified groups of presets (critic vs
 critic-free, token vs turn ratio, uncorrected vs corrected) and each corrected preset against
-its uncorrected one, the same two tests per x (the row `_two_group_tests` builds for a pair
+its uncorrected one, the same two tests per x (the row `two_group_tests` builds for a pair
 too), Holm over the whole table. The critic warm-start comparison: `analysis.critic`.
 
 `python -m analysis.frontier (--parquet DIR … | --experiment NAME … [--tracking-uri URI])
@@ -116,9 +116,12 @@ def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]
     return out
 
 
-def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:
+def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str] = ("experiment",),
+               means: Sequence[str] = ()) -> pd.DataFrame:
     """One row per (x, algo) of a per-run table (`per_run_table`; x the columns of an axis of
-    `analysis.axes.AXES`: by default the experiment = level)."""
+    `analysis.axes.AXES`: by default the experiment = level). `means`: per-run columns whose mean
+    over the cell's runs (finite values only) is added under the same name
+    (`tables.MISMATCH_MEANS`)."""
     rows = []
     for key, grp in runs.groupby([*x, "algo"], sort=True):
         *xs, algo = as_tuple(key)
@@ -135,11 +138,12 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str]
                      "peak_grad_norm": finite_mean(grp["peak_grad_norm"]),
                      "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high,
                      "mean_clipfrac": finite_mean(grp["mean_clipfrac"]),
-                     "mean_ppo_kl": finite_mean(grp["mean_ppo_kl"])})
+                     "mean_ppo_kl": finite_mean(grp["mean_ppo_kl"]),
+                     **{c: finite_mean(grp[c]) for c in means}})
     return pd.DataFrame(rows)
 
 
-def _two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
+def two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
     """Two groups of runs: collapse counts and Fisher's exact test, mean final success and Welch's
     t-test (the row of `pairwise_table` and of `contrast_table`, before Holm)."""
     ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
@@ -159,7 +163,7 @@ def pairwise_table(runs: pd.DataFrame, *, x: Sequence[str] = ("experiment",)) ->
         at = dict(zip(names, as_tuple(key)))
         by = {a: g for a, g in grp.groupby("algo", sort=True)}
         for a, b in combinations(sorted(by), 2):
-            rows.append({**at, "a": a, "b": b, **_two_group_tests(by[a], by[b])})
+            rows.append({**at, "a": a, "b": b, **two_group_tests(by[a], by[b])})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -202,7 +206,7 @@ def contrast_table(runs: pd.DataFrame, contrasts: dict[str, tuple[Sequence[str],
             a, b = lv[lv["algo"].isin(ga)], lv[lv["algo"].isin(gb)]
             if a.empty or b.empty:
                 continue
-            rows.append({**at, "contrast": name, **_two_group_tests(a, b)})
+            rows.append({**at, "contrast": name, **two_group_tests(a, b)})
     out = pd.DataFrame(rows)
     if len(out):
         out["fisher_p_holm"] = holm(out["fisher_p"].to_numpy())

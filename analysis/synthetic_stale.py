@@ -36,6 +36,7 @@ class StaleCell(NamedTuple):
     lag_mode: str = "fixed"
     correction: str = NO_CORRECTION
     old: bool = False  # written as a run from before trainer.offpolicy: no lag or correction params
+    model: str = "tiny"  # the run's model tag
 
 
 # ppo collapses one more seed per lag step, grpo from lag 2, grpo with a correction one less
@@ -93,8 +94,8 @@ def write_stale_study(tracking_uri: str, name: str, cells: Sequence[StaleCell] =
     for i, cell in enumerate(cells):
         for seed in range(cell.runs):
             c = 20 - 2 * cell.lag + seed if seed < cell.collapsed else None
-            tags = {T.TAG_ALGO: cell.algo, T.TAG_MODEL: "tiny", T.TAG_TASK: "synthetic_multihop", T.TAG_SEED: str(seed),
-                    T.TAG_SWEEP: "", T.TAG_GIT_COMMIT: "synthetic"}
+            tags = {T.TAG_ALGO: cell.algo, T.TAG_MODEL: cell.model, T.TAG_TASK: "synthetic_multihop",
+                    T.TAG_SEED: str(seed), T.TAG_SWEEP: "", T.TAG_GIT_COMMIT: "synthetic"}
             params = {"algo.name": cell.algo, "trainer.seed": seed, "trainer.collapse.ema": 1.0,
                       "trainer.collapse.patience": 3}
             if not cell.old:

@@ -18,6 +18,11 @@ from .load import Study
 from .stats import GROUP, WELCH_TEST, bootstrap_diff_ci, bootstrap_mean_ci, fit_exponential, t_interval, welch_test
 
 BOOTSTRAP = "95% percentile bootstrap CI of mean(a) - mean(b), {n} resamples per group"
+# per-run means of the sampler vs trainer and staleness metrics (column of `per_run_table` -> metric;
+# NaN for a run that did not log it: on-policy runs log no offpolicy/*, runs before them no rollout_corr/*)
+MISMATCH_MEANS: dict[str, str] = {"mean_rollout_kl": T.ROLLOUT_CORR_KL,
+                                  "mean_offpolicy_kl": T.OFFPOLICY_KL_TO_CURRENT,
+                                  "mean_rollout_chi2": T.ROLLOUT_CORR_CHI2_TOKEN}
 
 
 def per_run_value(study: Study, metric: str, how: str) -> pd.Series:
@@ -42,7 +47,8 @@ def _grad_peak(study: Study) -> pd.Series:
 
 
 def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per run: tags, status, collapse, final success and the stability summaries."""
+    """One row per run: tags, status, collapse, final success, the stability summaries and the
+    mean of each mismatch metric (`MISMATCH_MEANS`)."""
     col = (collapse if collapse is not None else collapse_table(study)).set_index("run_id")
     runs = study.runs.set_index("run_id")
     out = runs[["experiment", "run_name", "algo", "model", "task", "seed", "sweep", "git_commit", "status"]].copy()
@@ -55,6 +61,8 @@ def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.Data
     out["mean_clipfrac"] = per_run_value(study, T.PG_CLIPFRAC, "mean").to_numpy()
     out["mean_ppo_kl"] = per_run_value(study, T.PPO_KL, "mean").to_numpy()
     out["mean_kl_ref"] = per_run_value(study, T.KL_REF, "mean").to_numpy()
+    for column, metric in MISMATCH_MEANS.items():
+        out[column] = per_run_value(study, metric, "mean").to_numpy()
     return out.reset_index()
 
 

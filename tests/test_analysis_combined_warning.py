@@ -124,3 +124,26 @@ def test_cli_on_exported_runs(tmp_path, capsys):
     assert (tmp_path / "fig_combined_warning.png").stat().st_size > 0
     assert main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_folds_hold_a_corrected_or_coupled_preset_out_with_its_preset():
+    stats, runs, collapse = _synthetic(presets=("p", "q", "r"))
+    # half of p's runs carry a correction label, half of q's the coupled form: the same presets
+    runs["algo"] = [a + ("+decoupled_geo_rs" if a == "p" and i % 4 >= 2 else "+bypass_ppo_clip" if a == "q"
+                         and i % 4 >= 2 else "") for i, a in enumerate(runs["algo"])]
+    out = cross_validate(feature_frame(stats, ["good", "noise"]), collapse, runs, Settings(horizon=3))
+    assert set(out["fold"]) == {"p", "q", "r"}  # three folds, not five
+    assert (out["fold"] == out["algo"].str.split("+").str[0]).all()
+    assert out[out["alarm"] == COMBINED].groupby("fold")["run_id"].nunique().to_dict() == {"p": 4, "q": 4, "r": 4}
+
+
+def test_runs_without_the_mismatch_metrics_get_zero_for_those_indicators():
+    from stppo.alarms import AlarmConfig
+
+    mismatch = ["rollout_chi2", "offpolicy_kl", "rollout_is_ess_drop"]
+    assert set(mismatch) <= set(AlarmConfig().indicators)  # the combined model's default features
+    stats = pd.DataFrame({"run_id": ["v2", "v2", "v3"], "indicator": ["grad_norm_spike", "clip_frac", "offpolicy_kl"],
+                          "step": [3, 3, 3], "stat": [2.0, 1.0, 5.0]})
+    f = feature_frame(stats, AlarmConfig().indicators)
+    assert f.loc[("v2", 3), mismatch].tolist() == [0.0, 0.0, 0.0]
+    assert f.loc[("v3", 3), "offpolicy_kl"] == 5.0 and f.loc[("v3", 3), "grad_norm_spike"] == 0.0
