@@ -1,13 +1,17 @@
 """A study's runs as parquet files, and back: so a study split over machines or sessions can be
 finished and analysed together without the MLflow store it was run in.
 
-    python -m analysis.export --experiment frontier_l1 [--experiment …] --out DIR [--tracking-uri URI]
+    python -m analysis.export --experiment frontier_l1 [--experiment …] --out DIR [--tracking-uri URI …]
+        [--finished-only]
 
 writes DIR/runs.parquet (one row per run: tags, status, collapse settings), DIR/metrics.parquet
 (the tidy frame of `load_study`: run_id, experiment, algo, model, task, seed, status, step, metric,
 value) and DIR/params.parquet (run_id, key, value). `load_exported(DIR, …)` reads one or more such
 folders into a `Study` (runs of the same id are taken once), which `analysis.report --parquet DIR`
-and every table and figure function accept like a study loaded from MLflow.
+and every table and figure function accept like a study loaded from MLflow. Several
+`--tracking-uri`s (the per-run stores of a study run elsewhere, scripts/staleness_gpu.sh) are
+merged into one folder; `--finished-only` leaves out runs that did not finish (killed at a
+deadline).
 """
 
 from __future__ import annotations
@@ -73,14 +77,52 @@ def load_exported(folders: str | Path | Sequence[str | Path],
     return Study(uri, names, runs.reset_index(drop=True), metrics, params.reset_index(drop=True))
 
 
+def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_only: bool = False) -> Study:
+    """One Study of `experiments` from several MLflow stores (a store without them is skipped;
+    none having them is one `AnalysisError` line); `finished_only` keeps the FINISHED runs."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = []
+        for i, uri in enumerate(uris):
+            try:
+                study = load_study(list(experiments), uri)
+            except AnalysisError:
+                continue
+            if finished_only:
+                study = _finished(study)
+                if study.runs.empty:
+                    continue
+            folders.append(Path(tmp) / str(i))
+            export_study(study, folders[-1])
+        if not folders:
+            raise AnalysisError(f"no {'finished ' if finished_only else ''}runs of "
+                                f"{', '.join(experiments)} in {len(uris)} store(s)")
+        return load_exported(folders)
+
+
+def _finished(study: Study) -> Study:
+    keep = study.runs["status"].astype(str) == "FINISHED"
+    ids = set(study.runs.loc[keep, "run_id"].astype(str))
+    return Study(study.uri, study.experiments, study.runs[keep].reset_index(drop=True),
+                 study.metrics[study.metrics["run_id"].astype(str).isin(ids)].reset_index(drop=True),
+                 study.params[study.params["run_id"].astype(str).isin(ids)].reset_index(drop=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.export", description=__doc__.splitlines()[0])
     p.add_argument("--experiment", action="append", required=True, help="MLflow experiment (repeatable)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    p.add_argument("--tracking-uri", action="append", default=None,
+                   help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; repeat to merge stores")
+    p.add_argument("--finished-only", action="store_true", help="leave out runs that did not finish")
     a = p.parse_args(argv)
     try:
-        study = load_study(a.experiment, resolve_uri(a.tracking_uri))
+        uris = [resolve_uri(u) for u in (a.tracking_uri or [None])]
+        if len(uris) == 1 and not a.finished_only:
+            study = load_study(a.experiment, uris[0])
+        else:
+            study = merge_stores(a.experiment, uris, finished_only=a.finished_only)
         paths = export_study(study, a.out)
     except AnalysisError as e:
         print(f"python -m analysis.export: error: {e}", file=sys.stderr)

@@ -55,3 +55,34 @@ def test_parts_merge_once_and_report_reads_them(known_uri, tmp_path, cache_tmp):
     assert len(pd.read_csv(out / "runs.csv")) == len(ids) and (out / "warning.csv").is_file()
     with pytest.raises(AnalysisError, match="does not exist"):
         load_exported(tmp_path / "nowhere")
+
+
+def test_stores_merge_into_one_folder_without_unfinished_runs(known_uri, tmp_path, cache_tmp):
+    """Per-run stores of a study run elsewhere (scripts/staleness_gpu.sh): one folder, each run
+    once; `--finished-only` drops a run killed at the deadline; a store without the experiment is
+    skipped; none having it is one error line."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    src = known_uri.removeprefix("sqlite:///")
+    ids = list(load_study(KNOWN, known_uri).runs["run_id"])
+    uris = []
+    for name in ("a", "b"):
+        shutil.copy(src, tmp_path / f"{name}.db")
+        uris.append(f"sqlite:///{tmp_path / name}.db")
+    MlflowClient(uris[0]).delete_run(ids[0])  # a: every run but the first, finished
+    MlflowClient(uris[1]).update_run(ids[0], status="RUNNING")  # b: the first one killed
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    MlflowClient(empty).create_experiment("other")
+    args = ["--experiment", KNOWN, *[x for u in (*uris, empty) for x in ("--tracking-uri", u)]]
+    assert main([*args, "--out", str(tmp_path / "all")]) == 0
+    every = load_exported(tmp_path / "all")
+    assert sorted(every.runs["run_id"]) == sorted(ids)
+    assert every.runs.set_index("run_id").loc[ids[0], "status"] == "RUNNING"
+    assert main([*args, "--finished-only", "--out", str(tmp_path / "done")]) == 0
+    done = load_exported(tmp_path / "done")
+    assert sorted(done.runs["run_id"]) == sorted(ids[1:])
+    assert ids[0] not in set(done.metrics["run_id"].astype(str)) | set(done.params["run_id"])
+    assert main(["--experiment", KNOWN, "--tracking-uri", empty, "--tracking-uri", empty,
+                 "--out", str(tmp_path / "none")]) == 2
