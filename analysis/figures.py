@@ -226,6 +226,9 @@ def fig_clip_kl(metrics: pd.DataFrame, *, presets: Sequence[str] | None = None,
                         log_keys=keys if log_scale else (), title="clip ratio and KL by preset (mean and 95% CI)")
 
 
+CORRECTION_MARKERS = ("^", "v", "P", "X", "*", "<", ">")
+
+
 def frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
     """(preset label, lag mode or None) per line, presets in PRESET_ORDER; the mode only when the
     cells have several."""
@@ -247,10 +250,12 @@ def cell_errorbar(ax, cells: pd.DataFrame, xs, y: str, *, color, marker: str, ls
 
 
 def draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dict | None,
-                   series: list[tuple[str, str | None]] | None = None, y: str = "collapse_p") -> None:
+                   series: list[tuple[str, str | None]] | None = None, y: str = "collapse_p",
+                   by_label: bool = False) -> None:
     """`y` (default P(collapse) with its Wilson bars) per series (`frontier_series`) at the
-    positions of `order` (a corrected preset dashed, a lag mode other than fixed dotted with hollow
-    markers)."""
+    positions of `order`, in its preset's colour (a corrected preset dashed with a marker of its
+    correction, and with a colour of its own when `by_label`; a lag mode other than fixed dotted
+    with hollow markers)."""
     pos = {v: i for i, v in enumerate(order)}
     series = series if series is not None else frontier_series(cells)
     for off, (algo, mode) in zip(np.linspace(-0.22, 0.22, max(1, len(series))), series):
@@ -262,8 +267,13 @@ def draw_frontier(ax, cells: pd.DataFrame, order: Sequence, x: str, labels: dict
         c = c.assign(_x=c[x].map(pos) + off).sort_values("_x")
         odd_mode = mode not in (None, DEFAULT_LAG_MODE)
         ls = {(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}["+" in algo, odd_mode]
-        cell_errorbar(ax, c, c["_x"], y, color=preset_color(base_preset(algo)), marker=preset_marker(base_preset(algo)),
-                      ls=ls, hollow=odd_mode, label=algo + (f" ({mode})" if mode is not None else ""))
+        color, marker = preset_color(base_preset(algo)), preset_marker(base_preset(algo))
+        if "+" in algo:  # each correction of a preset its own marker (and colour, by_label)
+            i = sorted({a for a, _ in series if base_preset(a) == base_preset(algo) and "+" in a}).index(algo)
+            marker = CORRECTION_MARKERS[i % len(CORRECTION_MARKERS)]
+            color = matplotlib.colormaps["Dark2"](i % 8) if by_label else color
+        cell_errorbar(ax, c, c["_x"], y, color=color, marker=marker, ls=ls, hollow=odd_mode,
+                      label=algo + (f" ({mode})" if mode is not None else ""))
     ax.set_xticks(range(len(order)), [(labels or {}).get(v, str(v)) for v in order], fontsize=8)
     ax.set_ylim(-0.03, 1.03)
     ax.grid(alpha=0.3)

@@ -2,10 +2,11 @@
 `analysis.figures` (plain Figures; Wilson 95% bars on collapse probabilities, percentile bootstrap
 95% bars on final success):
 
-* `fig_staleness_frontier` — part 1: P(collapse) against the lag, one line per preset label (and
-  lag mode);
-* `fig_success_vs_lag` — part 1: final success against the lag; the presets in one panel, the
-  corrected, coupled and uniform-lag series with their presets in a second;
+* `fig_staleness_frontier` — part 1: P(collapse) against the lag, one line per preset at the
+  fixed lag (the corrected, coupled and uniform-lag cells are in the table and the success figure);
+* `fig_success_vs_lag` — part 1: final success against the lag; the presets in one panel, grpo
+  with each rollout correction in a second, the coupled and uniform-lag series in a third (the
+  last two with their presets' fixed-lag lines);
 * `fig_size` — part 3: P(collapse) and final success against the lag per model, one panel per
   preset of part 3, CPU and GPU apart (solid and dashed);
 * `fig_l2_vs_l1f` — part 2 next to part 1 at part 2's lags and presets.
@@ -44,18 +45,30 @@ def fig_staleness_frontier(cells: pd.DataFrame) -> Figure | None:
     if one.empty:
         return None
     lags = lag_order(one["lag"])
-    fig = fig_frontier(one, lags, x="lag", labels=_labels(lags), xlabel=LAG_XLABEL)
-    fig.axes[0].set_title(f"part 1: staleness frontier ({L1F}, tiny)", fontsize=10)
+    plain = one[~one["algo"].astype(str).str.contains("+", regex=False) & (one["lag_mode"] == DEFAULT_LAG_MODE)]
+    plain = plain if len(plain) else one  # the presets at the fixed lag; the variants are in cells.csv
+    fig = fig_frontier(plain, lags, x="lag", labels=_labels(lags), xlabel=LAG_XLABEL)
+    fig.axes[0].set_title(f"part 1: staleness frontier ({L1F}, tiny; presets at the fixed lag)", fontsize=10)
     return fig
 
 
-def _variants(one: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the presets at the fixed lag, the corrected / coupled / uniform-lag cells with the fixed-lag
-    cells of their presets for reference)."""
-    odd = one["algo"].str.contains("+", regex=False) | (one["lag_mode"] != DEFAULT_LAG_MODE)
-    plain = one[~odd]
-    bases = set(one.loc[odd, "algo"].str.split("+").str[0])
-    return plain, pd.concat([one[odd], plain[plain["algo"].isin(bases)]])
+def _variants(one: pd.DataFrame) -> list[tuple[pd.DataFrame, str]]:
+    """The panels of part 1's success figure: the presets at the fixed lag; grpo with each rollout
+    correction; the coupled form and the uniform lag. The last two with the fixed-lag cells of
+    their presets for reference; a panel without cells is left out."""
+    label = one["algo"].astype(str)
+    corr = label.str.contains("+", regex=False)
+    coupled = corr & label.str.contains("+bypass_", regex=False)
+    uniform = one["lag_mode"] != DEFAULT_LAG_MODE
+    plain = one[~corr & ~uniform]
+
+    def with_bases(odd: pd.Series) -> pd.DataFrame:
+        bases = set(label[odd].str.split("+").str[0])
+        return pd.concat([one[odd], plain[plain["algo"].isin(bases)]]) if odd.any() else one[odd]
+
+    panels = [(plain, "presets (fixed lag)"), (with_bases(corr & ~coupled), "rollout corrections (decoupled)"),
+              (with_bases(coupled | uniform), "coupled form (bypass_ppo_clip), uniform lag")]
+    return [(p, t) for p, t in panels if len(p)]
 
 
 def fig_success_vs_lag(cells: pd.DataFrame) -> Figure | None:
@@ -63,12 +76,11 @@ def fig_success_vs_lag(cells: pd.DataFrame) -> Figure | None:
     if one.empty:
         return None
     lags = lag_order(one["lag"])
-    panels = [(p, t) for p, t in zip(_variants(one), ("presets (fixed lag)", "corrections, coupled, uniform lag"))
-              if len(p)]
-    fig = Figure(figsize=(8.0 * len(panels), 5.2), constrained_layout=True)
+    panels = _variants(one)
+    fig = Figure(figsize=(7.0 * len(panels), 5.2), constrained_layout=True)
     axes = np.atleast_1d(fig.subplots(1, len(panels), sharey=True))
     for ax, (sub, title) in zip(axes, panels):
-        draw_frontier(ax, sub, lags, "lag", _labels(lags), y="final_success")
+        draw_frontier(ax, sub, lags, "lag", _labels(lags), y="final_success", by_label=title.startswith("rollout"))
         ax.set_title(f"part 1: {title}", fontsize=10)
         ax.set_xlabel("lag k")
         _legend(ax)
