@@ -48,6 +48,8 @@ def part_summary(sr: StudyRuns) -> list[str]:
                      f"{r['algo'].nunique()} preset labels; lags {lags}")
     if sr.unfinished:
         lines.append(f"left out: {sr.unfinished} runs still running")
+    if sr.repeats:
+        lines.append(f"left out: {sr.repeats} repeated runs of a cell's seed (the first run of each kept)")
     if sr.other:
         lines.append(f"left out: the runs of {', '.join(sr.other)} (no part of the study)")
     return lines

@@ -13,8 +13,9 @@ correction), a `machine` (cpu | gpu) and a `part`:
 
 machine = gpu for the experiment `staleness_size_gpu` or a run whose param `trainer.device` starts
 with `cuda`, cpu otherwise (`auto` on this CPU study): models are compared within one machine.
-Runs still running (or scheduled) are left out: their last success is not a final one. A cell is
-(part, machine, model, level, lag, lag mode, preset label).
+Runs still running (or scheduled) are left out: their last success is not a final one; a seed of
+a cell run twice counts once (its first run). A cell is (part, machine, model, level, lag, lag
+mode, preset label).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class StudyRuns:
     runs: pd.DataFrame  # per-run table (`per_run_table` + axes + machine, part) of the parts' finished runs
     unfinished: int  # runs of the parts left out because they are still running
     other: tuple[str, ...]  # experiments of the data whose runs belong to no part
+    repeats: int = 0  # runs left out as repeats of a cell's seed (the first run is kept)
 
 
 def study_runs(study: Study, collapse: pd.DataFrame | None = None) -> StudyRuns:
@@ -82,7 +84,13 @@ def study_runs(study: Study, collapse: pd.DataFrame | None = None) -> StudyRuns:
     mine = every[every["part"].notna()]
     running = mine["status"].astype(str).isin(UNFINISHED)
     other = tuple(sorted(set(every.loc[every["part"].isna(), "experiment"].astype(str))))
-    return StudyRuns(mine[~running].reset_index(drop=True), int(running.sum()), other)
+    done = mine[~running]
+    # A cell's seed run twice (a multirun repeated) is one replicate, not two: the first is kept.
+    start = done["run_id"].map(study.runs.set_index("run_id")["start_time"]) if "start_time" in study.runs else None
+    order = done.assign(_start=start).sort_values("_start", kind="stable") if start is not None else done
+    repeat = order.duplicated([*CELL_X, "algo", "seed"], keep="first")
+    kept = order[~repeat].drop(columns="_start", errors="ignore").sort_index()
+    return StudyRuns(kept.reset_index(drop=True), int(running.sum()), other, int(repeat.sum()))
 
 
 def study_cells(runs: pd.DataFrame) -> pd.DataFrame:

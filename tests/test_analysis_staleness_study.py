@@ -212,3 +212,22 @@ def test_cli_names_a_missing_part_and_rejects_bad_input(exported, tmp_path, caps
     assert "no run of the study's parts" in capsys.readouterr().err
     assert main(["--data", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert "missing/runs.parquet does not exist" in capsys.readouterr().err
+
+
+def test_a_seed_run_twice_counts_once(tmp_path, capsys, monkeypatch):
+    """A multirun repeated over a cell (the same preset, lag and seed again) adds no replicate: the
+    first run of each seed is kept, and the command says how many it left out."""
+    from analysis import load_study
+    from analysis.export import export_study
+    from analysis.staleness import main
+    from analysis.synthetic_stale import StaleCell as C, write_stale_study
+
+    monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    write_stale_study(uri, L1F, (C("ppo", 2, 2, 2), C("grpo", 2, 2, 0)))
+    write_stale_study(uri, L1F, (C("ppo", 2, 2, 0),))  # seeds 0 and 1 of ppo at lag 2 again
+    export_study(load_study([L1F], uri), tmp_path / "data")
+    assert main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), "--n-boot", "200"]) == 0
+    assert "left out: 2 repeated runs of a cell's seed (the first run of each kept)" in capsys.readouterr().out
+    cells = pd.read_csv(tmp_path / "out" / "cells.csv").set_index(["lag", "algo"])
+    assert cells.loc[(2, "ppo"), ["runs", "collapsed"]].tolist() == [2, 2]  # the first runs: both collapsed
