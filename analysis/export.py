@@ -57,12 +57,17 @@ def load_exported(folders: str | Path | Sequence[str | Path],
                 raise AnalysisError(f"{path} does not exist: export a study there with "
                                     "`python -m analysis.export --experiment NAME --out DIR`")
             parts[name].append(pd.read_parquet(path))
+    return _merge(parts, PARQUET_URI + ",".join(map(str, folders)), experiments)
+
+
+def _merge(parts: dict[str, list[pd.DataFrame]], uri: str, experiments: Sequence[str] | None = None) -> Study:
+    """One Study from the runs, metrics and params frames of several parts (a run in several is
+    taken once, from the last), optionally only some experiments; no run is one `AnalysisError`."""
     runs = pd.concat(parts["runs"], ignore_index=True).drop_duplicates("run_id", keep="last")
     if experiments:
         runs = runs[runs["experiment"].astype(str).isin(list(experiments))]
     if runs.empty:
-        raise AnalysisError(f"no runs of {', '.join(experiments or ['any experiment'])} in "
-                            f"{', '.join(map(str, folders))}")
+        raise AnalysisError(f"no runs of {', '.join(experiments or ['any experiment'])} in {uri}")
     keep = set(runs["run_id"].astype(str))
     metrics = pd.concat([m.astype({c: str for c in m.columns if isinstance(m[c].dtype, pd.CategoricalDtype)})
                          for m in parts["metrics"]], ignore_index=True)
@@ -73,40 +78,28 @@ def load_exported(folders: str | Path | Sequence[str | Path],
     for col in ("run_id", "experiment", "algo", "model", "task", "seed", "status", "metric"):
         metrics[col] = metrics[col].astype("category")
     metrics = metrics.sort_values(["run_id", "metric", "step"], ignore_index=True)
-    uri = PARQUET_URI + ",".join(map(str, folders))
     return Study(uri, names, runs.reset_index(drop=True), metrics, params.reset_index(drop=True))
 
 
 def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_only: bool = False) -> Study:
     """One Study of `experiments` from several MLflow stores (a store without them is skipped;
     none having them is one `AnalysisError` line); `finished_only` keeps the FINISHED runs."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folders = []
-        for i, uri in enumerate(uris):
-            try:
-                study = load_study(list(experiments), uri)
-            except AnalysisError:
-                continue
-            if finished_only:
-                study = _finished(study)
-                if study.runs.empty:
-                    continue
-            folders.append(Path(tmp) / str(i))
-            export_study(study, folders[-1])
-        if not folders:
-            raise AnalysisError(f"no {'finished ' if finished_only else ''}runs of "
-                                f"{', '.join(experiments)} in {len(uris)} store(s)")
-        return load_exported(folders)
-
-
-def _finished(study: Study) -> Study:
-    keep = study.runs["status"].astype(str) == "FINISHED"
-    ids = set(study.runs.loc[keep, "run_id"].astype(str))
-    return Study(study.uri, study.experiments, study.runs[keep].reset_index(drop=True),
-                 study.metrics[study.metrics["run_id"].astype(str).isin(ids)].reset_index(drop=True),
-                 study.params[study.params["run_id"].astype(str).isin(ids)].reset_index(drop=True))
+    parts = {name: [] for name in FILES}
+    for uri in uris:
+        try:
+            study = load_study(list(experiments), uri)
+        except AnalysisError:
+            continue
+        if finished_only:
+            study = study.only(study.runs.loc[study.runs["status"].astype(str) == "FINISHED", "run_id"])
+        if study.runs.empty:
+            continue
+        for name in FILES:
+            parts[name].append(getattr(study, name))
+    if not parts["runs"]:
+        raise AnalysisError(f"no {'finished ' if finished_only else ''}runs of "
+                            f"{', '.join(experiments)} in {len(uris)} store(s)")
+    return _merge(parts, ",".join(uris))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -316,12 +316,7 @@ def _write_warning(study, collapse: pd.DataFrame, front: Frontier, out: Path, th
 
 
 def _subset(study, collapse: pd.DataFrame, ids: set[str]) -> tuple[Study, pd.DataFrame]:
-    def mine(frame: pd.DataFrame) -> pd.DataFrame:
-        return frame[frame["run_id"].astype(str).isin(ids)]
-
-    runs = mine(study.runs)
-    names = tuple(dict.fromkeys(runs["experiment"].astype(str)))
-    return Study(study.uri, names, runs, mine(study.metrics), mine(study.params)), mine(collapse)
+    return study.only(ids), collapse[collapse["run_id"].astype(str).isin({str(i) for i in ids})]
 
 
 def _load(a) -> Study:

@@ -45,6 +45,18 @@ class Study:
     def metric_names(self) -> list[str]:
         return sorted(self.metrics["metric"].astype(str).unique())
 
+    def only(self, run_ids) -> "Study":
+        """The study restricted to the runs `run_ids` (their metrics and params; experiments as
+        the kept runs name them, in order)."""
+        ids = {str(i) for i in run_ids}
+
+        def mine(frame: pd.DataFrame) -> pd.DataFrame:
+            return frame[frame["run_id"].astype(str).isin(ids)]
+
+        runs = mine(self.runs)
+        return Study(self.uri, tuple(dict.fromkeys(runs["experiment"].astype(str))), runs, mine(self.metrics),
+                     mine(self.params))
+
     def run(self, run_id: str) -> pd.Series:
         rows = self.runs[self.runs["run_id"] == run_id]
         if rows.empty:

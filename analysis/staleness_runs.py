@@ -86,10 +86,10 @@ def study_runs(study: Study, collapse: pd.DataFrame | None = None) -> StudyRuns:
     other = tuple(sorted(set(every.loc[every["part"].isna(), "experiment"].astype(str))))
     done = mine[~running]
     # A cell's seed run twice (a multirun repeated) is one replicate, not two: the first is kept.
-    start = done["run_id"].map(study.runs.set_index("run_id")["start_time"]) if "start_time" in study.runs else None
-    order = done.assign(_start=start).sort_values("_start", kind="stable") if start is not None else done
-    repeat = order.duplicated([*CELL_X, "algo", "seed"], keep="first")
-    kept = order[~repeat].drop(columns="_start", errors="ignore").sort_index()
+    start = done["run_id"].map(study.runs.set_index("run_id")["start_time"])
+    repeat = done.assign(_start=start).sort_values("_start", kind="stable").duplicated(
+        [*CELL_X, "algo", "seed"], keep="first").reindex(done.index)
+    kept = done[~repeat]
     return StudyRuns(kept.reset_index(drop=True), int(running.sum()), other, int(repeat.sum()))
 
 

@@ -10,12 +10,13 @@
 # seeds), starts no run that would not end in time (its model's longest finished run so far, at
 # least MIN_LEFT seconds), stops every run at SECONDS (default 420), and
 # packs the stores and logs into OUT/stores.tgz. Back here, the stores become one parquet folder:
-#   python -m analysis.export --tracking-uri sqlite:///STORE.db ... (scripts/staleness_merge.py)
+#   python -m analysis.export --experiment staleness_size_gpu --tracking-uri sqlite:///STORE.db ...
+#       --finished-only --out DIR        (one --tracking-uri per store; docs/usage.md)
 # Python packages: torch (CUDA) and transformers from the machine; the rest as wheels in
 # .gpu/study (`make gpu-wheels`, then its own and rollout wheels: cp .gpu/cache/{own,rollout}/*.whl
 # .gpu/study/), installed into .gpu/site-study without the network when mlflow or hydra is missing.
-# Environment: PYTHON (python3), JOBS (10; at 14, 7 of 36 `base` runs ran out of an H100's memory), MIN_LEFT (60), MODELS ("base small tiny"),
-# PRESETS ("ppo st_ppo grpo so_grpo"), LAGS ("0 2 8"), SEEDS ("0 1 2"), EXTRA (more overrides),
+# Environment: PYTHON (python3), JOBS (10; at 14, 7 of 36 `base` runs ran out of an H100's
+# memory), MIN_LEFT (60), MODELS ("base small tiny"), PRESETS ("ppo st_ppo grpo so_grpo"), LAGS ("0 2 8"), SEEDS ("0 1 2"), EXTRA (more overrides),
 # DEVICE (cuda; cpu to try the script here), STALENESS_GPU_DIR (/tmp/staleness_gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
