@@ -1,5 +1,5 @@
-# Entry points: `make demo`, `make test`, `make setup`, `make verl-env`, `make trl-env`. Each
-# creates/refreshes its virtualenv by itself.
+# Entry points: `make demo`, `make test`, `make test-portable`, `make setup`, `make verl-env`,
+# `make trl-env`. Each creates/refreshes its virtualenv by itself.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.setup-stamp
 VERL_VENV  := .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.setup-stamp
-VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout
+VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout pytest-xdist
 
 # TRL for benchmarks/bench_vs_trl.py only (trl is no dependency of stppo): TRL 1.16 with its own
 # dependencies over the same pinned CPU torch, stppo --no-deps plus what the modules the
@@ -19,7 +19,7 @@ TRL_BIN   := $(TRL_VENV)/bin
 TRL_STAMP := $(TRL_VENV)/.setup-stamp
 TRL_PINS  := 'trl==1.16.*' 'transformers>=5.0,<6' 'omegaconf==2.4.1rc1' 'bm25s>=0.2'
 
-.PHONY: setup demo test verl-env trl-env gpu-wheels gpu-check
+.PHONY: setup demo test test-portable verl-env trl-env gpu-wheels gpu-check
 
 # `test` builds its two environments side by side where flock(1) exists (Linux): their editable
 # installs of stppo both write stppo.egg-info in this folder, so those take turns (a lock on the
@@ -70,11 +70,24 @@ demo: setup
 	$(BIN)/python run.py
 	@$(BIN)/python -m stppo.where
 
-# stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl.
+# stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl;
+# each spread over TEST_JOBS pytest-xdist workers (a test file stays on one worker: its module
+# fixtures are built once), each worker on TEST_THREADS torch threads.
+TEST_JOBS    ?= 2
+TEST_THREADS ?= 1
+PYTEST_ARGS  := -n $(TEST_JOBS) --dist loadfile
+
 test:
 	$(MAKE) $(ENV_JOBS) setup verl-env
-	$(BIN)/python -m pytest
-	$(VERL_BIN)/python -m pytest tests/verl
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(VERL_BIN)/python -m pytest $(PYTEST_ARGS) tests/verl
+
+# Both suites again under other CPU kernels and torch thread counts (scripts/test_portable.sh):
+# plain kernels (no AVX), AVX2 and, where the CPU has it, AVX-512; 2 threads and 1. A test whose
+# tolerance only holds for one machine's kernels fails here.
+test-portable:
+	$(MAKE) $(ENV_JOBS) setup verl-env
+	TEST_JOBS=$(TEST_JOBS) bash scripts/test_portable.sh
 
 # The GPU check's packages for a CUDA machine without network (Python 3.12, torch, transformers):
 # wheels and SmolLM2's weights in .gpu/1, .gpu/2, .gpu/3 (<= 54 MiB each; scripts/gpu_wheels.sh).

@@ -27,9 +27,30 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
+    """One cache for the whole session; under pytest-xdist the workers share it (its entries are
+    content-addressed and written under a lock or atomically, as a study's parallel jobs do)."""
     if "STPPO_CACHE_DIR" not in os.environ:
-        os.environ["STPPO_CACHE_DIR"] = str(tmp_path_factory.mktemp("stppo_cache"))
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # basetemp is per worker; its parent is shared
+            cache = tmp_path_factory.getbasetemp().parent / "stppo_cache"
+            cache.mkdir(exist_ok=True)
+        else:
+            cache = tmp_path_factory.mktemp("stppo_cache")
+        os.environ["STPPO_CACHE_DIR"] = str(cache)
     yield
+
+
+# Torch threads of an in-process run: the suite's own (OMP_NUM_THREADS, which `make test` and
+# `make test-portable` set), so a run inside a test does not change the thread count of the
+# tests after it; 1 when unset.
+THREADS = f"trainer.threads={os.environ.get('OMP_NUM_THREADS', '1')}"
+
+
+def pytest_report_header(config) -> str:
+    import torch
+
+    return (f"torch {torch.__version__}: {torch.get_num_threads()} thread(s), CPU kernels "
+            f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY="
+            f"{os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})")
 
 
 # A tiny but complete training setup: 1-hop questions of the default world, a warm start that
@@ -41,7 +62,7 @@ TINY_OVERRIDES = [
     "task.options.n_test=16", "task.options.hop_mix=[1.0,0.0,0.0]",
     "trainer.total_steps=2", "trainer.questions_per_step=4", "trainer.group_size=4",
     "trainer.minibatch_size=8", "trainer.val_every=0", "trainer.val_questions=16",
-    "trainer.save_every=0", "trainer.progress=false", "trainer.threads=1",
+    "trainer.save_every=0", "trainer.progress=false", THREADS,
     "trainer.warmstart.steps=400", "trainer.warmstart.batch_size=32", "trainer.warmstart.lr=3e-3",
     "trainer.rollout.max_new_tokens=16",
 ]

@@ -5,9 +5,15 @@
 Every process builds the same tiny Qwen2 policy, critic and global batch (8 trajectories in
 4 groups of 2, multi-turn layout), keeps its share of the groups (`Dist.shard` of the trainer's
 rule: whole groups per rank), then runs the trainer's own `prepare_batch`, `actor_update` and
-`critic_update`, each case also with micro-batches of `MICRO` rows. Rank 0 saves the updated
-parameters and the step's metrics (reduced over ranks); tests/test_distributed.py compares the
-1- and 2-process files.
+`critic_update`, each case also with micro-batches of `MICRO` rows. Rank 0 saves the gradients
+of every optimizer step (summed over ranks, before the step), the updated parameters and the
+step's metrics (reduced over ranks); tests/test_distributed.py compares the 1- and 2-process
+files.
+
+Everything runs in float64 with plain SGD: a reorganisation (ranks, micro-batches) may change
+only the order of sums, so the two runs agree to float64 rounding, and SGD moves the weights by
+lr × gradient, which carries that rounding through unchanged (Adam's m/√v turns rounding noise
+on a near-zero gradient into a step of ~lr, whatever the kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from layouts import multi_turn_layout
+from numerics import RecordingSGD
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, TrainerConfig
 from stppo.models import ValueModel
@@ -28,6 +35,7 @@ from stppo.train.update import UpdateContext, actor_update, critic_update
 
 N_GROUPS, GROUP, T, VOCAB = 4, 2, 28, 48
 MICRO = 2  # rows per micro-batch: 4 parts in one process, 2 per rank in two
+ACTOR_LR, CRITIC_LR = 3.0, 1.0  # SGD: large enough that the second epoch is off-policy (clips bind)
 
 # name -> algo overrides: every ratio level, advantage estimator and correction whose statistics
 # must be global (whitening, clip_bias/norm, the clip-triggered ratio, the grad estimator). Small
@@ -90,7 +98,7 @@ def global_batch() -> Batch:
     g = torch.Generator().manual_seed(1234)
     ids, attn, loss, turns = multi_turn_layout(g, N_GROUPS * GROUP, T, VOCAB, prompt=4, action=(2, 6),
                                                gap=(2, 5), shortest=8)
-    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
                  group_ids=torch.arange(N_GROUPS).repeat_interleave(GROUP), scores=scores)
 
@@ -100,7 +108,7 @@ def models():
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                          tie_word_embeddings=True)
-    policy = Qwen2ForCausalLM(config).float()
+    policy = Qwen2ForCausalLM(config).double()
     set_subsentence_ends(policy, torch.arange(VOCAB) % 5 == 0)  # SSPO: ids 0, 5, 10, … end one
     critic = ValueModel.from_policy(policy)
     return policy, critic
@@ -130,14 +138,16 @@ def run_case(case: str, d: distributed.Dist, micro: int = 0) -> dict:
     batch, metrics = prepare_batch(full.select(mine), policy, critic, ref, algo, reduce=d.reduce,
                                    gather=d.gather_rows if d.active else None)
     ctx = UpdateContext(algo, trainer, torch.Generator().manual_seed(0), dist=d)
-    actor_opt = torch.optim.AdamW(policy.parameters(), lr=3e-2, weight_decay=0.0)
+    actor_opt = RecordingSGD(policy.parameters(), lr=ACTOR_LR)
     metrics.update(actor_update(policy, actor_opt, batch, ctx))
+    critic_opt = None
     if critic is not None:
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-2, weight_decay=0.0)
+        critic_opt = RecordingSGD(critic.parameters(), lr=CRITIC_LR)
         metrics.update(critic_update(critic, critic_opt, batch, ctx))
     metrics = d.reduce_metrics(metrics)
     return {"policy": {k: v.detach().clone() for k, v in policy.state_dict().items()},
             "critic": critic.state_dict() if critic is not None else None,
+            "actor_grads": actor_opt.grads, "critic_grads": critic_opt.grads if critic_opt else None,
             "advantages": batch.advantages, "rows": mine, "metrics": metrics}
 
 
@@ -151,7 +161,7 @@ def main(out: str) -> None:
         gathered = [None] * d.world
         dist.all_gather_object(gathered, {c: (r["rows"], r["advantages"]) for c, r in results.items()})
         for c in results:
-            adv = torch.zeros_like(global_batch().input_ids, dtype=torch.float32)
+            adv = torch.zeros_like(global_batch().input_ids, dtype=torch.float64)
             for part in gathered:
                 rows, a = part[c]
                 adv[rows] = a

@@ -18,7 +18,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, compose
+from conftest import ROOT, THREADS, compose
 from stppo import metric_names as K
 from stppo.config import OffPolicyConfig, to_config
 from stppo.models import policy_log_probs
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 
 # The rollout correction of the stale-run test (the check): geometric-mean rejection
 CORRECTION = ("algo.rollout_correction=decoupled_geo_rs",)
-QUICK = ["+experiment=quick", "trainer.threads=1", "trainer.progress=false", "algo=ppo",
+QUICK = ["+experiment=quick", THREADS, "trainer.progress=false", "algo=ppo",
          "trainer.actor_lr=3e-3"]  # ppo: its critic's advantages move the policy at 0 success
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY_OVERRIDES
+from conftest import THREADS, TINY_OVERRIDES
 from stppo.models import (MODEL_PRESETS, count_parameters, load_model, policy_log_probs,
                           published_arch, random_config, train_tokenizer)
 
@@ -106,7 +106,7 @@ def test_size_probe_runs_on_cpu_at_a_tiny_scale(tmp_path):
                  "trainer.questions_per_step=4", "trainer.minibatch_size=2",
                  "trainer.micro_batch_size=1", "trainer.rollout.max_new_tokens=6",
                  "trainer.rollout.max_total_tokens=160", "trainer.progress=false",
-                 "trainer.threads=1", f"trainer.out_dir={tmp_path}",
+                 THREADS, f"trainer.out_dir={tmp_path}",
                  f"tracking.uri=sqlite:///{db}"]))
     con = sqlite3.connect(db)
     assert con.execute("select status from runs").fetchall() == [("FINISHED",)]

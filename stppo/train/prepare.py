@@ -111,14 +111,20 @@ def batch_subsentence_ids(batch: Batch, policy) -> torch.Tensor:
     return subsentence_ids(ends, batch.loss_mask, batch.turn_ids)
 
 
+def real_scores(batch: Batch) -> torch.Tensor:
+    """(N,) the scores as float32, or float64 when they are (a float64 check of the update)."""
+    return batch.scores if batch.scores.dtype == torch.float64 else batch.scores.float()
+
+
 def outcome_rewards(batch: Batch) -> torch.Tensor:
     """(N, T): the trajectory's score at its last agent token, 0 elsewhere (docs/design.md §1)."""
     n, t = batch.input_ids.shape
     pos = torch.arange(t, device=batch.input_ids.device).expand(n, t)  # (N, T)
     last = torch.where(batch.loss_mask, pos, -1).max(dim=1).values  # (N,) -1: no agent token
-    rewards = torch.zeros(n, t, dtype=torch.float32, device=batch.input_ids.device)
+    scores = real_scores(batch)
+    rewards = torch.zeros(n, t, dtype=scores.dtype, device=batch.input_ids.device)
     rows = torch.nonzero(last >= 0).squeeze(1)
-    rewards[rows, last[rows]] = batch.scores[rows].float()
+    rewards[rows, last[rows]] = scores[rows]
     return rewards
 
 
@@ -171,7 +177,7 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
         metrics.update(corr_m)
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
-        values=values, scores=batch.scores.float(), group_ids=batch.group_ids, gamma=algo.gamma,
+        values=values, scores=real_scores(batch), group_ids=batch.group_ids, gamma=algo.gamma,
         gae_lambda=algo.gae_lambda, eps=algo.grpo_eps, whiten=algo.whiten_advantages, reduce=reduce,
         old_log_probs=old, sum_pi_squared=pi_sq,
         rollout_is_weights=batch.rollout_is_weights if otb else None)
