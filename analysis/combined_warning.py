@@ -50,6 +50,7 @@ from stppo.alarms import AlarmConfig
 
 from .axes import base_preset
 from .collapse import collapse_table
+from .identical import one_per_unit
 from .store import AnalysisError
 from .warning import roc_auc, roc_curve, run_statistics
 
@@ -293,9 +294,12 @@ def fig_combined_roc(outcomes: pd.DataFrame):
 
 def evaluate(study, settings: Settings = Settings(), cfg: AlarmConfig | None = None,
              min_onset: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series]:
-    """(summary_table, held-out outcomes, coefficients) of a study. `min_onset`: leave out
-    collapsed runs whose onset is before that step (they cannot be warned by construction)."""
+    """(summary_table, held-out outcomes, coefficients) of a study, each identical-run unit once
+    (`identical.one_per_unit`: two runs of one training run would otherwise sit in two folds).
+    `min_onset`: leave out collapsed runs whose onset is before that step (they cannot be warned
+    by construction)."""
     cfg = cfg or AlarmConfig()
+    study = one_per_unit(study)
     collapse = collapse_table(study)
     if min_onset is not None:
         early = collapse["collapsed"] & (collapse["collapse_step"] < min_onset)
@@ -305,7 +309,7 @@ def evaluate(study, settings: Settings = Settings(), cfg: AlarmConfig | None = N
         keep = set(collapse["run_id"].astype(str))
     stats = run_statistics(study, cfg)
     stats = stats[stats["run_id"].astype(str).isin(keep)]
-    features = feature_frame(stats, cfg.indicators)
+    features = feature_frame(stats, cfg.zscore_indicators)
     runs = study.runs[study.runs["run_id"].astype(str).isin(keep)]
     outcomes = cross_validate(features, collapse, runs, settings)
     return summary_table(outcomes), outcomes, coefficients(features, collapse, settings)

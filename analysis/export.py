@@ -25,7 +25,7 @@ import pandas as pd
 
 from stppo.tracker import resolve_uri
 
-from .load import Study, load_study
+from .load import Study, load_study, with_collapse_settings
 from .store import AnalysisError
 
 FILES = ("runs", "metrics", "params")
@@ -75,6 +75,9 @@ def _merge(parts: dict[str, list[pd.DataFrame]], uri: str, experiments: Sequence
     params = pd.concat(parts["params"], ignore_index=True)
     params = params[params["run_id"].isin(keep)].drop_duplicates(["run_id", "key"], keep="last")
     names = tuple(dict.fromkeys(runs["experiment"].astype(str)))
+    # each run's collapse rule from its params (folders exported before the live rule carry the
+    # sampled rule's settings only)
+    runs = with_collapse_settings(runs.drop(columns=[c for c in runs.columns if c.startswith("collapse_")]), params)
     for col in ("run_id", "experiment", "algo", "model", "task", "seed", "status", "metric"):
         metrics[col] = metrics[col].astype("category")
     metrics = metrics.sort_values(["run_id", "metric", "step"], ignore_index=True)

@@ -56,6 +56,7 @@ from .axes import AXES, as_tuple, axis_columns, axis_names, base_preset, lag_lab
 from .collapse import collapse_table
 from .critic import critic_table, critic_table_by
 from .figures import fig_frontier, fig_frontier_grid
+from .identical import apart, once
 from .load import Study, load_study
 from .stats import bootstrap_mean_ci, finite_mean, welch_test
 from .store import AnalysisError
@@ -125,6 +126,7 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str]
     rows = []
     for key, grp in runs.groupby([*x, "algo"], sort=True):
         *xs, algo = as_tuple(key)
+        grp = once(grp)
         k, n = int(grp["collapsed"].sum()), len(grp)
         low, high = wilson_interval(k, n, confidence)
         s_low, s_high = bootstrap_mean_ci(grp["final_success"], confidence=confidence)
@@ -144,14 +146,17 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str]
 
 
 def two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
-    """Two groups of runs: collapse counts and Fisher's exact test, mean final success and Welch's
-    t-test (the row of `pairwise_table` and of `contrast_table`, before Holm)."""
+    """Two groups of runs, each identical unit once and without the units in both
+    (`identical.apart`; `shared_units` counts those): collapse counts and Fisher's exact test,
+    mean final success and Welch's t-test (the row of `pairwise_table` and of `contrast_table`,
+    before Holm). Nothing left on a side: counts 0/0 and NaN tests."""
+    a, b, shared = apart(a, b)
     ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
     w = welch_test(a["final_success"], b["final_success"])
-    return {"collapsed_a": f"{ka}/{len(a)}", "collapsed_b": f"{kb}/{len(b)}",
-            "fisher_p": float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]),
+    fisher = float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]) if len(a) and len(b) else np.nan
+    return {"collapsed_a": f"{ka}/{len(a)}", "collapsed_b": f"{kb}/{len(b)}", "fisher_p": fisher,
             "success_a": finite_mean(a["final_success"]), "success_b": finite_mean(b["final_success"]),
-            "welch_t": w["t"], "welch_p": w["p"]}
+            "welch_t": w["t"], "welch_p": w["p"], "shared_units": shared}
 
 
 def pairwise_table(runs: pd.DataFrame, *, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:

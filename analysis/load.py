@@ -3,7 +3,9 @@
 `load_study(experiments, tracking_uri)` returns a `Study`:
 * `metrics` — tidy, one row per logged value:
   (run_id, experiment, algo, model, task, seed, status, step, metric, value), categorical strings;
-* `runs` — one row per run: tags, status, start/end, collapse settings (`collapse_*` columns);
+* `runs` — one row per run: tags, status, start/end, its collapse rule (`collapse_rule`: `live`,
+  or `sampled` for runs from before the live checks, whose params name the sampled-success rule)
+  and that rule's settings (`collapse_*` columns);
 * `params` — long (run_id, key, value) of every logged parameter.
 The run list, tags and params are always read fresh (cheap). Each run's metrics are cached as
 `<cache>/analysis/<hash of URI>/<run_id>-<hash of fingerprint>.parquet`, where the fingerprint is the
@@ -24,15 +26,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stppo.cache import cache_dir, content_hash
-from stppo.diagnostics import CollapseConfig
+from stppo.diagnostics import CollapseConfig, SampledCollapseConfig
 
 from .store import open_reader
 
 CACHE_VERSION = "1"
 ID_COLUMNS: tuple[str, ...] = ("run_id", "experiment", "algo", "model", "task", "seed", "status")
 TIDY_COLUMNS: tuple[str, ...] = (*ID_COLUMNS, "step", "metric", "value")
-COLLAPSE_FIELDS: tuple[str, ...] = ("ema", "drop", "min_peak", "patience", "nonfinite_patience")
-
+# A run's collapse rule from its params (`trainer.collapse.*`, docs/design.md §4): `rule` and the
+# live rule's fields, the sampled rule's under `trainer.collapse.sampled.`; runs from before the
+# live checks (studies v2, v3) have no `rule` and the sampled rule's fields directly under
+# `trainer.collapse.` (their `ema` tells them apart).
+COLLAPSE_PREFIX = "trainer.collapse."
+LIVE_FIELDS: tuple[str, ...] = ("every", "questions", "drop", "min_peak", "patience", "nonfinite_patience")
+SAMPLED_FIELDS: tuple[str, ...] = tuple(SampledCollapseConfig.__dataclass_fields__)
+INT_FIELDS = ("every", "questions", "patience", "nonfinite_patience")
 
 @dataclass
 class Study:
@@ -75,7 +83,7 @@ def load_study(experiments: str | Sequence[str], tracking_uri: str, *, use_cache
     reader = open_reader(tracking_uri)
     runs = reader.runs(names)
     params = reader.params(list(runs["run_id"]))
-    runs = _with_collapse_settings(runs, params)
+    runs = with_collapse_settings(runs, params)
     if use_cache:
         per_run = _cached_metrics(reader, runs, cache_dir("analysis", content_hash(tracking_uri.strip())))
     else:
@@ -83,21 +91,46 @@ def load_study(experiments: str | Sequence[str], tracking_uri: str, *, use_cache
     return Study(tracking_uri, names, runs, _tidy(per_run, runs), params)
 
 
-def _with_collapse_settings(runs: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
-    """Columns `collapse_<field>` from params whose keys end in `collapse.<field>`, else the defaults."""
+def with_collapse_settings(runs: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
+    """Columns `collapse_rule`, `collapse_<field>` (the live rule's fields and the non-finite
+    patience) and `sampled_<field>` (the sampled rule's) per run, from its params, else the
+    defaults (comment above)."""
     runs = runs.copy()
-    default = CollapseConfig()
-    for name in COLLAPSE_FIELDS:
-        hits = params[params["key"].str.endswith(f"collapse.{name}")]
-        values = pd.to_numeric(hits.drop_duplicates("run_id").set_index("run_id")["value"], errors="coerce")
-        col = runs["run_id"].map(values).astype("float64").fillna(float(getattr(default, name)))
-        runs[f"collapse_{name}"] = col.astype(int) if name.endswith("patience") else col
+    mine = params[params["key"].str.startswith(COLLAPSE_PREFIX)]
+    table = mine.drop_duplicates(["run_id", "key"], keep="last").pivot(index="run_id", columns="key",
+                                                                      values="value")
+    ids = runs["run_id"].astype(str)
+    table.index = table.index.astype(str)
+    table = table.reindex(ids)
+
+    def column(key: str) -> pd.Series:
+        return table[key] if key in table.columns else pd.Series(None, index=table.index, dtype=object)
+
+    legacy = column(COLLAPSE_PREFIX + "rule").isna() & column(COLLAPSE_PREFIX + "ema").notna()
+    rule = column(COLLAPSE_PREFIX + "rule").fillna("live").where(~legacy, "sampled")
+    runs["collapse_rule"] = rule.to_numpy()
+    live, sampled = CollapseConfig(), SampledCollapseConfig()
+    for name in LIVE_FIELDS:
+        values = pd.to_numeric(column(COLLAPSE_PREFIX + name), errors="coerce")
+        if name != "nonfinite_patience":  # (legacy runs' drop, min_peak, patience are the sampled rule's)
+            values = values.where(~legacy)
+        runs[f"collapse_{name}"] = values.fillna(float(getattr(live, name))).to_numpy()
+    for name in SAMPLED_FIELDS:
+        values = pd.to_numeric(column(COLLAPSE_PREFIX + "sampled." + name), errors="coerce")
+        values = values.where(~legacy, pd.to_numeric(column(COLLAPSE_PREFIX + name), errors="coerce"))
+        runs[f"sampled_{name}"] = values.fillna(float(getattr(sampled, name))).to_numpy()
     return runs
 
 
 def collapse_config(run: pd.Series) -> CollapseConfig:
-    """The run's collapse rule, from the `collapse_*` columns of `Study.runs`."""
-    return CollapseConfig(**{name: run[f"collapse_{name}"] for name in COLLAPSE_FIELDS})
+    """The run's collapse rule with its settings, from the columns `with_collapse_settings` adds."""
+    def num(col: str, name: str):
+        v = float(run[col])
+        return int(v) if name in INT_FIELDS else v
+
+    sampled = SampledCollapseConfig(**{n: num(f"sampled_{n}", n) for n in SAMPLED_FIELDS})
+    return CollapseConfig(rule=str(run.get("collapse_rule", "live")), sampled=sampled,
+                          **{n: num(f"collapse_{n}", n) for n in LIVE_FIELDS})
 
 
 def _cache_file(root: Path, run_id: str, fingerprint: str) -> Path:

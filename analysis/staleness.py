@@ -26,7 +26,8 @@ from typing import Sequence
 import pandas as pd
 
 from .export import load_exported
-from .staleness_contrasts import ContrastResult, contrast_table
+from .identical import merged_units
+from .staleness_contrasts import ContrastResult, contrast_table, contrasts_markdown
 from .staleness_figures import FIGURES
 from .staleness_runs import L1F, L2, PARTS, SIZE_GPU, StudyRuns, study_cells, study_runs
 from .store import AnalysisError
@@ -70,7 +71,9 @@ def significant(result: ContrastResult, alpha: float = ALPHA) -> list[str]:
 
 def write_study(study, out: Path, *, n_boot: int = 10_000,
                 seed: int = 0) -> tuple[StudyRuns, ContrastResult, list[str]]:
-    """Write the tables and figures of `study` to `out`; returns (runs, contrasts, figure names)."""
+    """Write the tables and figures of `study` to `out` (`contrasts.md`: the contrast table in the
+    results page's layout; `merged_units.csv`: the identical-run units of more than one run, each
+    counted once); returns (runs, contrasts, figure names)."""
     sr = study_runs(study)
     if sr.runs.empty:
         raise AnalysisError(f"no run of the study's parts in {study.uri} (experiments there: "
@@ -81,6 +84,8 @@ def write_study(study, out: Path, *, n_boot: int = 10_000,
     cells.to_csv(out / "cells.csv", index=False)
     result = contrast_table(sr.runs, n_boot=n_boot, seed=seed)
     result.table.to_csv(out / "contrasts.csv", index=False)
+    (out / "contrasts.md").write_text(contrasts_markdown(result.table))
+    merged_units(sr.runs).to_csv(out / "merged_units.csv", index=False)
     (out / "not_computed.txt").write_text("".join(f"{line}\n" for line in result.missing))
     drawn = []
     for name, make in FIGURES.items():
@@ -107,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m analysis.staleness: error: {e}", file=sys.stderr)
         return 2
     lines = part_summary(sr)
-    lines.append(f"wrote cells.csv, contrasts.csv ({len(result.table)} rows), not_computed.txt"
+    lines.append(f"wrote cells.csv, contrasts.csv ({len(result.table)} rows), contrasts.md, merged_units.csv, "
+                 f"not_computed.txt"
                  f"{', ' if drawn else ''}{', '.join(f'{d}.png/pdf' for d in drawn)} to {a.out}")
     sig = significant(result)
     lines += [f"Holm-adjusted p < {ALPHA}: {len(sig) or 'none'}"] + [f"  {s}" for s in sig]

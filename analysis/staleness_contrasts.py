@@ -8,8 +8,11 @@ lag k a group takes the scope's runs at lag k, unless it names its own lag (C7's
 Per row: the pooled collapse counts k/n of both groups and Fisher's exact test (two-sided), the
 groups' mean final success, their difference a − b with a percentile bootstrap interval (fixed
 seed) and Welch's t-test; Holm's adjustment over the whole table, one family per test
-(`fisher_p_holm`, `welch_p_holm`). A row whose group lacks some of its presets says which
-(`absent`); a point where a group has no run at all gives no row, and one line of `missing`.
+(`fisher_p_holm`, `welch_p_holm`). Every count is of identical-run units (`analysis.identical`):
+a unit once per group, and a unit in both groups in neither (`shared_units` says how many; a
+row whose groups share every unit has nothing to compare). A row whose group lacks some of its
+presets says which (`absent`); a point where a group has no run at all gives no row, and one
+line of `missing`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .frontier import holm, two_group_tests
+from .identical import apart
 from .stats import bootstrap_diff_ci, finite_mean
 from .staleness_runs import (CORRECTIONS, COUPLED, CPU, CRITIC_FREE, GAE_PRESETS, GPU, L1F, PART1_LAGS,
                              PART2_PRESETS, PART3_LAGS, PARTS, SIZE_GPU, SIZE_PRESETS)
@@ -98,7 +102,7 @@ CONTRASTS: tuple[Contrast, ...] = (
 )
 CONTRAST_COLUMNS = ("contrast", "level", "machine", "lag", "a", "b", "collapsed_a", "collapsed_b", "fisher_p",
                     "fisher_p_holm", "success_a", "success_b", "success_diff", "success_diff_low",
-                    "success_diff_high", "welch_t", "welch_p", "welch_p_holm", "absent")
+                    "success_diff_high", "welch_t", "welch_p", "welch_p_holm", "shared_units", "absent")
 
 
 def select(runs: pd.DataFrame, where: Where) -> pd.DataFrame:
@@ -132,11 +136,13 @@ def _point(scope: pd.DataFrame, c: Contrast, a: Group, b: Group, lag: int) -> tu
 def _row(c: Contrast, a: Group, b: Group, lag: int, ra: pd.DataFrame, rb: pd.DataFrame, absent: str,
          n_boot: int, seed: int) -> dict:
     both = pd.concat([ra, rb])
-    low, high = bootstrap_diff_ci(ra["final_success"], rb["final_success"], n_boot=n_boot, seed=seed)
+    tests = two_group_tests(ra, rb)
+    ua, ub, _ = apart(ra, rb)
+    low, high = bootstrap_diff_ci(ua["final_success"], ub["final_success"], n_boot=n_boot, seed=seed)
     return {"contrast": c.id, "level": ", ".join(sorted(set(both["experiment"].astype(str)))),
             "machine": ", ".join(sorted(set(both["machine"].astype(str)))), "lag": lag,
-            "a": a.label.format(lag=lag), "b": b.label.format(lag=lag), **two_group_tests(ra, rb),
-            "success_diff": finite_mean(ra["final_success"]) - finite_mean(rb["final_success"]),
+            "a": a.label.format(lag=lag), "b": b.label.format(lag=lag), **tests,
+            "success_diff": finite_mean(ua["final_success"]) - finite_mean(ub["final_success"]),
             "success_diff_low": low, "success_diff_high": high, "absent": absent}
 
 
@@ -187,3 +193,30 @@ def contrast_table(runs: pd.DataFrame, contrasts: Sequence[Contrast] = CONTRASTS
     table["fisher_p_holm"] = holm(table["fisher_p"].to_numpy(float))
     table["welch_p_holm"] = holm(table["welch_p"].to_numpy(float))
     return ContrastResult(table[list(CONTRAST_COLUMNS)], missing)
+
+
+def _p(p: float, holm: float) -> str:
+    return "–" if not np.isfinite(p) else f"{p:.2g} ({holm:.2g})"
+
+
+def contrasts_markdown(table: pd.DataFrame, contrasts: Sequence[Contrast] = CONTRASTS) -> str:
+    """`table` (CONTRAST_COLUMNS) as one Markdown table per contrast, in the README's layout:
+    collapse counts are of identical-run units (`shared units`: in both groups, left out)."""
+    out = []
+    for c in contrasts:
+        rows = table[table["contrast"] == c.id]
+        if rows.empty:
+            continue
+        out += [f"### {c.id}: {c.wording} ({c.at})", "",
+                "| lag | a vs b | collapsed (units) | Fisher p (Holm) | final success | a − b [95% CI] | "
+                "Welch p (Holm) | shared units |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows.itertuples():
+            diff = ("–" if not np.isfinite(r.success_diff) else
+                    f"{r.success_diff:+.2f} [{r.success_diff_low:+.2f}, {r.success_diff_high:+.2f}]")
+            success = "–" if not np.isfinite(r.success_a) or not np.isfinite(r.success_b) else \
+                f"{r.success_a:.2f} vs {r.success_b:.2f}"
+            out.append(f"| {r.lag} | {r.a} vs {r.b} | {r.collapsed_a} vs {r.collapsed_b} | "
+                       f"{_p(r.fisher_p, r.fisher_p_holm)} | {success} | {diff} | "
+                       f"{_p(r.welch_p, r.welch_p_holm)} | {r.shared_units} |")
+        out.append("")
+    return "\n".join(out)

@@ -3,8 +3,9 @@ step), with synthetic curves: for tests, `benchmarks/bench_analysis.py` and dash
 
 A collapsing run follows the paper's picture: success rises, then falls to ~0 from step `c`; over the
 `growth_window` steps before `c` the clipping-bias norm grows as exp(growth · (s − c)); clip ratio
-and KL rise; `collapse/detected` / `collapse/step` are logged by `stppo.diagnostics.CollapseDetector`
-exactly as the trainer logs them.
+and KL rise; `collapse/detected` / `collapse/step` are logged by the sampled-success rule
+(`stppo.diagnostics.SampledCollapseDetector`), as the trainer of studies v2 and v3 logged them:
+these runs carry that rule's params (`trainer.collapse.ema`, …), so analysis reads them with it.
 
 With `diagnostics=True` a run also logs the workbench's diagnostics (docs/design.md §4) with leading
 signals of different quality: `env/zero_std_group_frac` rises from 8 steps before the collapse,
@@ -26,7 +27,7 @@ import numpy as np
 
 from stppo import metric_names as T
 from stppo.alarms import AlarmSet
-from stppo.diagnostics import CollapseDetector
+from stppo.diagnostics import SampledCollapseDetector
 
 from .figures import TURN_MISMATCH
 
@@ -156,8 +157,8 @@ def _pts(steps: np.ndarray, values: np.ndarray) -> list[tuple[int, float]]:
 
 
 def _collapse_flags(steps: np.ndarray, success: np.ndarray) -> dict[str, list[tuple[int, float]]]:
-    """`collapse/detected` per step and `collapse/step` once, as the trainer's online detector logs."""
-    det, flags, at = CollapseDetector(), [], []
+    """`collapse/detected` per step and `collapse/step` once, as the sampled-success rule logged."""
+    det, flags, at = SampledCollapseDetector(), [], []
     for step, x in zip(steps, success):
         was = det.detected
         flags.append((int(step), float(det.update(int(step), float(x)))))

@@ -84,8 +84,10 @@ def stale_series(steps: int, *, lag: int, collapse_at: int | None, lag_mode: str
 
 
 def write_stale_study(tracking_uri: str, name: str, cells: Sequence[StaleCell] = STALE_CELLS, *,
-                      steps: int = 30) -> list[str]:
-    """Experiment `name` with the runs of `cells` (seeds 0 … runs − 1 each). Returns the run ids."""
+                      steps: int = 30, noise_seed: int = 0) -> list[str]:
+    """Experiment `name` with the runs of `cells` (seeds 0 … runs − 1 each; their curves' noise
+    drawn from `noise_seed` + 100 · cell + seed: experiments written with the same noise seed
+    repeat each other's runs). Returns the run ids."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
@@ -100,6 +102,7 @@ def write_stale_study(tracking_uri: str, name: str, cells: Sequence[StaleCell] =
                       "trainer.collapse.patience": 3}
             if not cell.old:
                 params |= {LAG_PARAM: cell.lag, LAG_MODE_PARAM: cell.lag_mode, CORRECTION_PARAM: cell.correction}
-            series = stale_series(steps, lag=cell.lag, collapse_at=c, lag_mode=cell.lag_mode, seed=100 * i + seed)
+            series = stale_series(steps, lag=cell.lag, collapse_at=c, lag_mode=cell.lag_mode,
+                                  seed=noise_seed + 100 * i + seed)
             ids.append(write_run(client, exp_id, tags=tags, params=params, series=series, per_step=False))
     return ids

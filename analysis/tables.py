@@ -14,6 +14,7 @@ import pandas as pd
 from stppo import metric_names as T
 
 from .collapse import collapse_table
+from .identical import unit_column
 from .load import Study
 from .stats import GROUP, WELCH_TEST, bootstrap_diff_ci, bootstrap_mean_ci, fit_exponential, t_interval, welch_test
 
@@ -41,25 +42,46 @@ def final_success(study: Study) -> pd.Series:
     return per_run_value(study, T.VAL_SUCCESS_RATE, "last")
 
 
+def validation_auc(study: Study) -> pd.Series:
+    """Area under each run's validation curve per step — the trapezoid mean of the live checks
+    `val/live_success_rate` (of `val/success_rate` for runs without them) from its first to its
+    last point; NaN with fewer than two points."""
+    m = study.metrics
+    out = {}
+    for key in (T.VAL_SUCCESS_RATE, T.VAL_LIVE_SUCCESS_RATE):  # the live checks win where logged
+        sub = m.loc[(m["metric"] == key) & np.isfinite(m["value"]), ["run_id", "step", "value"]]
+        for rid, g in sub.sort_values(["run_id", "step"]).groupby("run_id", observed=True):
+            x, y = g["step"].to_numpy(float), g["value"].to_numpy(float)
+            if len(x) >= 2 and x[-1] > x[0]:
+                out[str(rid)] = float(np.sum((y[1:] + y[:-1]) / 2 * np.diff(x)) / (x[-1] - x[0]))
+    return pd.Series(out, dtype="float64").reindex(study.runs["run_id"].astype(str))
+
+
 def _grad_peak(study: Study) -> pd.Series:
     peak = per_run_value(study, T.GRAD_NORM_MAX, "max")
     return peak.fillna(per_run_value(study, T.GRAD_NORM, "max"))
 
 
 def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per run: tags, status, collapse, final success, the stability summaries and the
-    mean of each mismatch metric (`MISMATCH_MEANS`)."""
+    """One row per run: tags, status, its unit (`analysis.identical`), collapse (its onset
+    `collapse_step` and what decided it, `collapse_source`), final success, the area under its
+    validation curve (`val_auc`), the stability summaries (the mean step KL `mean_step_kl` among
+    them) and the mean of each mismatch metric (`MISMATCH_MEANS`)."""
     col = (collapse if collapse is not None else collapse_table(study)).set_index("run_id")
     runs = study.runs.set_index("run_id")
     out = runs[["experiment", "run_name", "algo", "model", "task", "seed", "sweep", "git_commit", "status"]].copy()
+    out["unit"] = unit_column(study).reindex(out.index.astype(str)).to_numpy()
     out["collapsed"] = col["collapsed"]
     out["collapse_step"] = col["collapse_step"]
+    out["collapse_source"] = col["source"]
     out["last_step"] = col["last_step"]
     out["final_success"] = final_success(study).to_numpy()
+    out["val_auc"] = validation_auc(study).to_numpy()
     out["final_train_success"] = per_run_value(study, T.SUCCESS_RATE, "last").to_numpy()
     out["peak_grad_norm"] = _grad_peak(study).to_numpy()
     out["mean_clipfrac"] = per_run_value(study, T.PG_CLIPFRAC, "mean").to_numpy()
     out["mean_ppo_kl"] = per_run_value(study, T.PPO_KL, "mean").to_numpy()
+    out["mean_step_kl"] = per_run_value(study, T.STEP_KL, "mean").to_numpy()
     out["mean_kl_ref"] = per_run_value(study, T.KL_REF, "mean").to_numpy()
     for column, metric in MISMATCH_MEANS.items():
         out[column] = per_run_value(study, metric, "mean").to_numpy()

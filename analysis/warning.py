@@ -33,6 +33,7 @@ from matplotlib.ticker import MaxNLocator
 from stppo.alarms import INDICATORS, AlarmConfig, alarm_statistic, get_indicator
 
 from .collapse import collapse_table
+from .identical import one_per_unit
 from .load import Study
 
 STAT_COLUMNS = ("run_id", "indicator", "key", "step", "stat")
@@ -48,13 +49,13 @@ def run_statistics(study: Study, cfg: AlarmConfig | None = None) -> pd.DataFrame
 
     It does not depend on the threshold: one pass serves every h. Columns STAT_COLUMNS."""
     cfg = cfg or AlarmConfig()
-    keys = {k for n in cfg.indicators for k in get_indicator(n).keys}
+    keys = {k for n in cfg.zscore_indicators for k in get_indicator(n).keys}
     m = study.metrics
     sub = m.loc[m["metric"].isin(list(keys)), ["run_id", "metric", "step", "value"]]
     parts: list[pd.DataFrame] = []
     for rid, grp in sub.groupby("run_id", observed=True, sort=False):
         per = {str(k): g.sort_values("step") for k, g in grp.groupby("metric", observed=True)}
-        for name in cfg.indicators:
+        for name in cfg.zscore_indicators:
             key = next((k for k in get_indicator(name).keys if k in per), None)
             if key is None:
                 continue
@@ -127,7 +128,7 @@ def warning_table(runs: pd.DataFrame, cfg: AlarmConfig | None = None, *, all_run
     cfg = cfg or AlarmConfig()
     total = all_runs if all_runs is not None else runs["run_id"].nunique()
     rows = []
-    for name in cfg.indicators:
+    for name in cfg.zscore_indicators:
         ind = INDICATORS[name]
         sub = runs[runs["indicator"] == name]
         pos, neg = sub[sub["collapsed"]], sub[~sub["collapsed"]]
@@ -145,8 +146,10 @@ def warning_table(runs: pd.DataFrame, cfg: AlarmConfig | None = None, *, all_run
 
 def early_warning(study: Study, cfg: AlarmConfig | None = None, *, collapse: pd.DataFrame | None = None,
                   stats: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(warning_table, run_warnings) of a study, in one call."""
+    """(warning_table, run_warnings) of a study, in one call; each identical-run unit once
+    (`identical.one_per_unit`)."""
     cfg = cfg or AlarmConfig()
+    study = one_per_unit(study)
     stats = stats if stats is not None else run_statistics(study, cfg)
     runs = run_warnings(study, stats, cfg, collapse)
     return warning_table(runs, cfg, all_runs=len(study.runs)), runs
@@ -156,8 +159,9 @@ def threshold_sweep(study: Study, thresholds: Sequence[float], cfg: AlarmConfig 
                     collapse: pd.DataFrame | None = None, stats: pd.DataFrame | None = None) -> pd.DataFrame:
     """`warning_table` at each threshold h (one h for every indicator), stacked: how lead time
     and false alarms trade off as h moves. The alarm statistics (`run_statistics`, or `stats`
-    when given) are computed once."""
+    when given) are computed once. Each identical-run unit once (`identical.one_per_unit`)."""
     cfg = cfg or AlarmConfig()
+    study = one_per_unit(study)
     collapse = collapse if collapse is not None else collapse_table(study)
     stats = stats if stats is not None else run_statistics(study, cfg)
     tables = []

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 from stppo import metric_names as T
+from stppo.diagnostics import SampledCollapseConfig, SampledCollapseDetector
 
 DIRECTIONS = ("up", "down", "both")
 TRANSFORMS = ("level", "log", "growth")
@@ -113,9 +114,20 @@ for _ind in (
     register_indicator(_ind)
 
 
+# The sampled-success rule of stppo.diagnostics (the collapse definition of studies v2 and v3)
+# as an alarm, on the settings `trainer.collapse.sampled`: it fires when the training rollouts'
+# success falls by that rule (its non-finite part is the collapse rule's, not the alarm's), which
+# lags the live policy by k + 1 updates under stale rollouts.
+SAMPLED_COLLAPSE = "sampled_collapse"
+
+
+def alarm_names() -> list[str]:
+    return [*INDICATORS, SAMPLED_COLLAPSE]
+
+
 @dataclass
 class AlarmConfig:
-    indicators: list[str] = field(default_factory=lambda: list(INDICATORS))  # which indicators to watch
+    indicators: list[str] = field(default_factory=alarm_names)  # which alarms to watch
     threshold: float = 4.0  # h: robust z-score the alarm statistic must reach
     persist: int = 2  # P: consecutive values at or beyond h
     baseline_steps: int = 5  # W: first logged values of each indicator that form its baseline
@@ -123,9 +135,10 @@ class AlarmConfig:
 
     def __post_init__(self) -> None:
         self.indicators, self.thresholds = list(self.indicators), dict(self.thresholds)
-        bad = [n for n in [*self.indicators, *self.thresholds] if n not in INDICATORS]
+        bad = [n for n in self.indicators if n not in alarm_names()]
+        bad += [n for n in self.thresholds if n not in INDICATORS]
         if bad:
-            raise ValueError(f"alarm: unknown indicator {bad[0]!r}; valid: {', '.join(INDICATORS)}")
+            raise ValueError(f"alarm: unknown indicator {bad[0]!r}; valid: {', '.join(alarm_names())}")
         if not self.threshold > 0 or not all(v > 0 for v in self.thresholds.values()):
             raise ValueError(f"alarm.threshold and alarm.thresholds must be > 0, got {self.threshold}, "
                              f"{self.thresholds}")
@@ -134,6 +147,11 @@ class AlarmConfig:
         if self.baseline_steps < 3:
             raise ValueError(f"alarm.baseline_steps must be >= 3 (a median absolute deviation needs 3 "
                              f"values), got {self.baseline_steps}")
+
+    @property
+    def zscore_indicators(self) -> list[str]:
+        """The watched indicators of the robust z-score rule (all but `sampled_collapse`)."""
+        return [n for n in self.indicators if n in INDICATORS]
 
     def threshold_for(self, name: str) -> float:
         return float(self.thresholds.get(name, self.threshold))
@@ -238,11 +256,16 @@ class AlarmSet:
     run). `update` returns the indicators whose alarm fires at this step (first firing only);
     `fired` maps every indicator that has fired to its step."""
 
-    def __init__(self, cfg: AlarmConfig | None = None) -> None:
+    def __init__(self, cfg: AlarmConfig | None = None, sampled: SampledCollapseConfig | None = None) -> None:
         self.cfg = cfg or AlarmConfig()
+        self.sampled_cfg = sampled or SampledCollapseConfig()
         self.keys: dict[str, str] = {}
         self.monitors = {n: Monitor(get_indicator(n), self.cfg.threshold_for(n), self.cfg.persist,
-                                    self.cfg.baseline_steps) for n in self.cfg.indicators}
+                                    self.cfg.baseline_steps)
+                         for n in self.cfg.zscore_indicators}
+        self.sampled = (SampledCollapseDetector(self.sampled_cfg)
+                        if SAMPLED_COLLAPSE in self.cfg.indicators else None)
+        self.sampled_step: int | None = None  # the step the sampled_collapse alarm fired
 
     def update(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         fired = []
@@ -253,16 +276,25 @@ class AlarmSet:
             self.keys[name] = key
             if mon.update(step, metrics.get(key)):
                 fired.append(name)
+        if self.sampled is not None and T.SUCCESS_RATE in metrics and self.sampled_step is None:
+            if self.sampled.update(step, metrics[T.SUCCESS_RATE]):
+                self.sampled_step = int(step)
+                fired.append(SAMPLED_COLLAPSE)
         return fired
 
     @property
     def fired(self) -> dict[str, int]:
-        return {n: m.fired_step for n, m in self.monitors.items() if m.fired_step is not None}
+        out = {n: m.fired_step for n, m in self.monitors.items() if m.fired_step is not None}
+        return out | ({SAMPLED_COLLAPSE: self.sampled_step} if self.sampled_step is not None else {})
 
     def rearm(self, names: Sequence[str]) -> None:
         """Let these indicators fire again (after an intervention, e.g. a rollback): their streak
         and firing are cleared, their baseline — the run's own first values — is kept."""
         for n in names:
+            if n == SAMPLED_COLLAPSE:
+                self.sampled.rearm()
+                self.sampled_step = None
+                continue
             mon = self.monitors[n]
             mon.fired_step, mon.recent, mon.stat = None, [], math.nan
 
@@ -271,14 +303,19 @@ class AlarmSet:
         return {n: m.stat for n, m in self.monitors.items()}
 
     def state_dict(self) -> dict:
-        return {"cfg": asdict(self.cfg), "keys": dict(self.keys),
-                "monitors": {n: m.state_dict() for n, m in self.monitors.items()}}
+        return {"cfg": asdict(self.cfg), "sampled_cfg": asdict(self.sampled_cfg), "keys": dict(self.keys),
+                "monitors": {n: m.state_dict() for n, m in self.monitors.items()},
+                "sampled": self.sampled.state_dict() if self.sampled is not None else None,
+                "sampled_step": self.sampled_step}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.__init__(AlarmConfig(**state["cfg"]))
+        self.__init__(AlarmConfig(**state["cfg"]), SampledCollapseConfig(**state.get("sampled_cfg", {})))
         self.keys = dict(state["keys"])
         for n, s in state["monitors"].items():
             self.monitors[n].load_state_dict(s)
+        if self.sampled is not None and state.get("sampled") is not None:
+            self.sampled.load_state_dict(state["sampled"])
+            self.sampled_step = state["sampled_step"]
 
 
 def alarm_statistic(steps: Sequence[int], values: Sequence[float | None], indicator: str,

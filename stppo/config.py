@@ -259,14 +259,14 @@ class RetrieverConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # synthetic_multihop | search_r1 | hf | mcq
+    name: str = MISSING  # testbed | synthetic_multihop | search_r1 | hf | mcq
     prompt_style: str = "compact"  # compact | search_r1 | chat
     max_turns: int = 4
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     options: dict[str, Any] = field(default_factory=dict)  # the task builder's own settings
 
     def __post_init__(self) -> None:
-        _one_of("task.name", self.name, ("synthetic_multihop", "search_r1", "hf", "mcq"))
+        _one_of("task.name", self.name, ("testbed", "synthetic_multihop", "search_r1", "hf", "mcq"))
         _one_of("task.prompt_style", self.prompt_style, ("compact", "search_r1", "chat"))
         _check(self.max_turns >= 1, f"task.max_turns must be >= 1, got {self.max_turns}")
 
@@ -298,10 +298,14 @@ class WarmStartConfig:
     batch_size: int = 32
     lr: float = 1e-3
     error_rate: float = 0.2  # oracle demonstrations with a wrong query/answer
+    # multi-hop demonstrations that answer too early, with an intermediate entity (stppo.envs.oracle)
+    shortcut_rate: float = 0.0
     warmup_steps: int = 20
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.error_rate < 1.0, f"trainer.warmstart.error_rate must be in [0, 1), got {self.error_rate}")
+        _check(0.0 <= self.shortcut_rate <= 1.0,
+               f"trainer.warmstart.shortcut_rate must be in [0, 1], got {self.shortcut_rate}")
         _check(self.steps >= 0 and self.batch_size >= 1, "trainer.warmstart.steps >= 0 and batch_size >= 1")
 
 

@@ -19,6 +19,9 @@ PG_CLIPFRAC_LOW = "actor/pg_clipfrac_low"
 PG_CLIPFRAC_LOWER = "actor/pg_clipfrac_lower"
 PPO_KL = "actor/ppo_kl"
 KL_REF = "actor/kl_ref"
+# how far a step's update moved the policy: KL(π before ‖ π after) by k3 on the agent tokens of the
+# first trajectory of each group (stppo.train.loop.step_kl); the KL-matched control reads it
+STEP_KL = "actor/step_kl"
 ENTROPY = "actor/entropy"
 GRAD_NORM = "actor/grad_norm"
 GRAD_NORM_MAX = "actor/grad_norm_max"
@@ -76,6 +79,9 @@ FINISH_RATIO = "env/finish_ratio"
 RESPONSE_LENGTH_MEAN = "response_length/mean"
 RESPONSE_LENGTH_CLIP_RATIO = "response_length/clip_ratio"
 VAL_SUCCESS_RATE = "val/success_rate"
+# the live policy's greedy success on the first trainer.collapse.questions validation questions,
+# every trainer.collapse.every steps and at step 0: what the collapse rule reads (stppo.diagnostics)
+VAL_LIVE_SUCCESS_RATE = "val/live_success_rate"
 
 # --- performance -------------------------------------------------------------------------------
 STEP_TIME = "perf/step_time_s"
@@ -83,6 +89,7 @@ ROLLOUT_TIME = "perf/rollout_time_s"
 UPDATE_TIME = "perf/update_time_s"
 TOKENS_PER_S = "perf/tokens_per_s"
 GPU_PEAK_MEM = "perf/gpu_peak_mem_gb"  # CUDA runs: peak memory allocated by this process so far
+LIVE_CHECK_TIME = "perf/live_check_time_s"  # the live check's greedy rollouts, at the steps it runs
 
 # --- collapse ----------------------------------------------------------------------------------
 COLLAPSE_DETECTED = "collapse/detected"

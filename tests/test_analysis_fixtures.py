@@ -142,7 +142,7 @@ def write_stale_experiments(uri: str) -> None:
     from analysis.synthetic_stale import write_stale_study
 
     write_stale_study(uri, STALE)
-    write_stale_study(uri, STALE_B, stale_b_cells())
+    write_stale_study(uri, STALE_B, stale_b_cells(), noise_seed=10_000)  # other runs than stale_a's
 
 
 def build_workbench_store(root: Path) -> str:

@@ -13,7 +13,7 @@ import pytest
 from test_analysis_fixtures import EMPTY, KNOWN, cache_tmp, closed_port, known_uri, run_ids  # noqa: F401
 
 from analysis import list_experiments, load_study
-from analysis.load import TIDY_COLUMNS
+from analysis.load import TIDY_COLUMNS, collapse_config
 from analysis.store import (
     ClientReader,
     EmptyExperimentError,
@@ -24,6 +24,7 @@ from analysis.store import (
     open_reader,
 )
 from stppo import metric_names as T
+from stppo.diagnostics import CollapseConfig, SampledCollapseConfig
 
 
 def test_tidy_frame_has_the_columns_and_the_logged_values(known_uri, cache_tmp):
@@ -37,9 +38,14 @@ def test_tidy_frame_has_the_columns_and_the_logged_values(known_uri, cache_tmp):
     assert set(g["algo"]) == {"ppo"} and set(g["seed"]) == {"2"} and set(g["status"]) == {"FINISHED"}
     val = m[(m["run_id"] == ids[("ppo", 0)]) & (m["metric"] == T.VAL_SUCCESS_RATE)]
     assert list(zip(val["step"], val["value"])) == [(0, 0.5), (10, 0.8), (20, 0.1)]
+    # params trainer.collapse.ema: a run of the sampled-success rule (v2, v3), with its settings
     run = study.run(ids[("ppo", 0)])
-    assert (run["collapse_ema"], run["collapse_patience"]) == (1.0, 3)  # from params *collapse.*
-    assert (study.run(ids[("ppo", 1)])["collapse_ema"], study.run(ids[("ppo", 1)])["collapse_patience"]) == (0.3, 5)
+    assert (run["collapse_rule"], run["sampled_ema"], run["sampled_patience"]) == ("sampled", 1.0, 3)
+    assert collapse_config(run) == CollapseConfig(rule="sampled", sampled=SampledCollapseConfig(ema=1.0, patience=3))
+    # no such params: the live rule, at its defaults
+    run = study.run(ids[("ppo", 1)])
+    assert (run["collapse_rule"], run["collapse_every"], run["collapse_patience"]) == ("live", 5, 2)
+    assert collapse_config(run) == CollapseConfig()
 
 
 def test_nan_and_inf_values_come_back_as_logged(known_uri, cache_tmp):

@@ -168,15 +168,18 @@ def test_a_collapse_stops_verl_and_is_recorded_as_by_the_own_trainer(study):
     client, cfg = study["client"], study["bad"]
     run = run_of(client, 1)
     rid = run.info.run_id
-    success = history(client, rid, K.SUCCESS_RATE)
-    steps = sorted(success)
-    expected = detect_collapse(steps, [success[s] for s in steps], cfg=CollapseConfig(patience=2))
-    assert expected == 6 and run.data.metrics[K.COLLAPSE_DETECTED] == 1.0
-    assert history(client, rid, K.COLLAPSE_STEP) == {7: 6.0}  # logged once, when detected
+    steps = sorted(history(client, rid, K.SUCCESS_RATE))
+    # verl's validations are the live checks (test_freq = min(val_every 2, collapse.every 5)):
+    # 0.3 before training, 0.6 at step 2, 0.05 at steps 4 and 6 → onset 4, detected at 6
+    live = history(client, rid, K.VAL_LIVE_SUCCESS_RATE)
+    assert live == history(client, rid, K.VAL_SUCCESS_RATE) and sorted(live)[:4] == [0, 2, 4, 6]
+    expected, _ = detect_collapse(sorted(live.items()), cfg=CollapseConfig(patience=2))
+    assert expected == 4 and run.data.metrics[K.COLLAPSE_DETECTED] == 1.0
+    assert history(client, rid, K.COLLAPSE_STEP) == {6: 4.0}  # logged once, when detected
     assert run.info.status == "FINISHED" and steps[-1] < 100  # stopped long before its 1000 steps
-    assert run.data.tags[K.TAG_STOPPED].startswith("collapse at step 6")
+    assert run.data.tags[K.TAG_STOPPED].startswith("collapse at step 4")
     trial = outcome(0.05, None, cfg.tracking, "clip_range-st_ppo", 3)  # what the Optuna sweeper reads
-    assert trial.state.name == "PRUNED" and trial.collapse_step == 6 and trial.run_id == rid
+    assert trial.state.name == "PRUNED" and trial.collapse_step == 4 and trial.run_id == rid
 
 
 def test_analysis_and_dashboard_read_verl_runs_next_to_own_runs(study, monkeypatch):
@@ -187,7 +190,8 @@ def test_analysis_and_dashboard_read_verl_runs_next_to_own_runs(study, monkeypat
     assert len(s.runs) == 5 and sorted(s.runs["algo"]) == ["ppo", "ppo", "st_ppo", "st_ppo", "st_ppo"]
     table = collapse_table(s).set_index("run_id")
     ok, bad = run_of(study["client"], 0).info.run_id, run_of(study["client"], 1).info.run_id
-    assert not table.loc[ok, "collapsed"] and table.loc[bad, "collapse_step"] == 6
+    assert not table.loc[ok, "collapsed"] and table.loc[bad, "collapse_step"] == 4
+    assert table.loc[bad, "source"] == "live"
 
     import streamlit as st
     from streamlit.testing.v1 import AppTest

@@ -87,7 +87,7 @@ def clip_bias_grad_norm(clip_bias_term: torch.Tensor, params: Iterable[torch.Ten
     One extra backward pass, no second forward; the graph stays usable for the loss's backward.
     Parameters the term does not depend on contribute 0. With `reduce` (data parallelism, the
     term built with global weights) the shards' gradients are summed before the norm: every shard
-    gets ‖C‖ of the whole batch. Detached 0-d float32 tensor.
+    gets ‖C‖ of the whole batch. Detached 0-d tensor: float32, float64 when the gradients are.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -104,17 +104,23 @@ def term_grads(term: torch.Tensor, params: list[torch.Tensor], *,
     return list(torch.autograd.grad(term, params, retain_graph=retain_graph, allow_unused=True))
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or in its own dtype when that is wider (float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def grads_norm(grads: list[Optional[torch.Tensor]], params: list[torch.Tensor],
                reduce: Reduce = None) -> torch.Tensor:
     """‖(g_1, …, g_n)‖₂ (None = 0), the per-parameter gradients summed over the shards first when
     `reduce` is given (every shard joins the collective, even one with nothing clipped).
-    Detached 0-d float32."""
+    Detached 0-d: float32, float64 when the gradients are (low-precision ones are summed in
+    float32)."""
     device = params[0].device if params else torch.device("cpu")
     if reduce is not None and params:
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g.detach()).reshape(-1).float()
+        flat = torch.cat([at_least_fp32((torch.zeros_like(p) if g is None else g.detach()).reshape(-1))
                           for p, g in zip(params, grads)])
         return reduce(flat).square().sum().sqrt()
-    sq = [g.detach().float().square().sum() for g in grads if g is not None]
+    sq = [at_least_fp32(g.detach()).square().sum() for g in grads if g is not None]
     if not sq:
         return torch.zeros((), device=device)
     return torch.stack(sq).sum().sqrt()
@@ -265,7 +271,7 @@ def _none(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
 def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
     if spec.estimator == "grad":
         if ctx.grad_norm is not None:  # computed by the caller (micro-batches: stppo.train)
-            g = ctx.grad_norm.detach().float()
+            g = at_least_fp32(ctx.grad_norm.detach())
         elif ctx.params is None:
             raise ValueError("correction.estimator='grad' needs the policy parameters: pass "
                              "params=model.parameters() (or correction_grad_norm=‖C‖) to "

@@ -7,6 +7,10 @@ With x = log π_θ(y_t) − log π_ref(y_t) per token (Schulman, "Approximating 
          exp and the result clamped to [−10, 10].
 Used either as a loss term (`kl_loss`, aggregated like every loss) or as a per-token penalty in
 the reward (`kl_in_reward`, rewards − β·k).
+
+`sampled_k3(log_q, log_p)`: the same k3 between two other policies, for tokens sampled by p —
+e^r − 1 − r with r = log q − log p, ≥ 0 per token, whose mean under p is KL(p ‖ q) (the
+diagnostics `offpolicy/kl_to_current` and `actor/step_kl`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ def _k2(x: torch.Tensor) -> torch.Tensor:
 def _k3(x: torch.Tensor) -> torch.Tensor:
     neg = (-x).clamp(-20.0, 20.0)  # log(π_ref/π_θ)
     return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
+
+
+def sampled_k3(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """Per-token e^r − 1 − r, r = log q − log p clamped to [−20, 20], in float64 (module
+    docstring). Same shape as the inputs."""
+    r = (log_q.double() - log_p.double()).clamp(-20.0, 20.0)
+    return torch.expm1(r) - r
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str,

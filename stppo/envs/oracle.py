@@ -8,7 +8,12 @@ For a question with plan [(query_1, doc_1, a_1), …, (query_h, doc_h, a_h)] the
 inside documents, FEASIBILITY.md). With probability `error_rate` an episode holds one mistake,
 at a site drawn uniformly among its h hops and its answer: a hop that queries a wrong entity of
 the same kind (later hops follow the wrong chain through the world), or a wrong final answer;
-either way the episode's answer is wrong. Draws use random.Random(f"{seed}/{question.id}"), so
+either way the episode's answer is wrong. With probability `shortcut_rate` a multi-hop episode
+is cut short instead (the careless searcher): after hop k of its h (k drawn uniformly from
+1 … h − 1) it answers with the entity that hop found — an intermediate answer, of another kind or
+another link of the chain than the one asked for, which reads like an answer in the retrieved
+document. Draws use random.Random(f"{seed}/{question.id}") (the shortcut its own stream,
+f"{seed}/{question.id}/shortcut", so that shortcut_rate = 0 leaves every episode as before), and
 an episode does not depend on which other questions are played with it. Observations come from
 the env and its retriever, so warm-start data matches rollouts token for token.
 """
@@ -47,38 +52,52 @@ def _other(world: World, kind: str, avoid: Sequence[str], rng: random.Random) ->
 
 
 def oracle_actions(question: Question, world: World, error_rate: float = 0.0,
-                   seed: int = 0) -> list[str]:
-    """The oracle's action texts for one question (h searches, then the answer)."""
+                   seed: int = 0, shortcut_rate: float = 0.0) -> list[str]:
+    """The oracle's action texts for one question (h searches, then the answer; fewer searches
+    when the episode is cut short)."""
     chain, subject = question.meta.get("chain"), question.meta.get("subject")
     if not chain or subject is None:
         raise ValueError(f"oracle: question {question.id!r} has no meta['chain'/'subject']; the "
                          "oracle plays synthetic_multihop questions only")
     rng = random.Random(f"{seed}/{question.id}")
     site = rng.randrange(len(chain) + 1) if rng.random() < error_rate else None
-    entity, actions = subject, []
+    entity, actions, found = subject, [], []
     for k, rel in enumerate(chain):
         relation = RELATIONS[rel]
         if k == site:
             entity = _other(world, relation.subject, [entity], rng)
         actions.append(f"<search> {entity} {relation.word}</search>")
         entity = world.lookup(rel, entity) or _other(world, relation.object, [], rng)
+        found.append(entity)  # what search k + 1 finds
     if site is not None and normalize_answer(entity) in map(normalize_answer, question.golden_answers):
         entity = _other(world, RELATIONS[chain[-1]].object, question.golden_answers, rng)
+    cut = _shortcut(question, len(chain), seed, shortcut_rate)
+    if cut is not None:  # answer with what the last search kept found
+        actions, entity = actions[:cut], found[cut - 1]
     actions.append(f"<answer> {entity}</answer>")
     return actions
 
 
+def _shortcut(question: Question, hops: int, seed: int, rate: float) -> int | None:
+    """The number of searches after which a cut-short episode answers, or None."""
+    if hops < 2 or rate <= 0.0:
+        return None
+    rng = random.Random(f"{seed}/{question.id}/shortcut")
+    return rng.randint(1, hops - 1) if rng.random() < rate else None
+
+
 def run_oracle(env, task: Task, questions: Sequence[Question], *, error_rate: float = 0.0,
-               seed: int = 0) -> list[Episode]:
+               seed: int = 0, shortcut_rate: float = 0.0) -> list[Episode]:
     """Play the oracle on `questions` through `env` (a SearchEnv), all episodes in lock step:
     one `env.step_batch` (hence one retriever call) per turn."""
     world = getattr(task, "world", None)
     if world is None:
         raise ValueError(f"oracle: task {task.name!r} has no world; the oracle plays "
                          "synthetic_multihop tasks only")
-    if not 0.0 <= error_rate <= 1.0:
-        raise ValueError(f"oracle error_rate must be in [0, 1], got {error_rate}")
-    plans = [oracle_actions(q, world, error_rate, seed) for q in questions]
+    for name, rate in (("error_rate", error_rate), ("shortcut_rate", shortcut_rate)):
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"oracle {name} must be in [0, 1], got {rate}")
+    plans = [oracle_actions(q, world, error_rate, seed, shortcut_rate) for q in questions]
     too_long = [(q.id, len(p)) for q, p in zip(questions, plans) if len(p) > env.max_turns]
     if too_long:
         qid, n = too_long[0]

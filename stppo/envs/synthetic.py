@@ -144,8 +144,8 @@ def _allocate(total: int, mix: tuple[float, ...]) -> list[int]:
     return counts
 
 
-def build_splits(pools: dict[int, list[dict]], cfg: SyntheticConfig,
-                 rng: random.Random) -> dict[str, list[Question]]:
+def build_splits(pools: dict[int, list[dict]], cfg: SyntheticConfig, rng: random.Random,
+                 name: str = "synthetic_multihop") -> dict[str, list[Question]]:
     sizes = cfg.split_sizes()
     per_split = {s: _allocate(n, cfg.hop_mix) for s, n in sizes.items()}
     for h in (1, 2, 3):
@@ -168,17 +168,18 @@ def build_splits(pools: dict[int, list[dict]], cfg: SyntheticConfig,
         splits[split] = [
             Question(id=f"{split}-{i:04d}", question=r["question"], golden_answers=(r["answer"],),
                      meta={"hops": len(r["chain"]), "plan": r["plan"], "chain": r["chain"],
-                           "subject": r["subject"], "data_source": "synthetic_multihop"})
+                           "subject": r["subject"], "data_source": name})
             for i, r in enumerate(rows)]
     return splits
 
 
-def build_synthetic_task(config: SyntheticConfig | None = None, **overrides) -> SyntheticTask:
-    """The synthetic_multihop task; `overrides` are `SyntheticConfig` fields."""
+def build_synthetic_task(config: SyntheticConfig | None = None, *, name: str = "synthetic_multihop",
+                         **overrides) -> SyntheticTask:
+    """The synthetic_multihop task (named `name`); `overrides` are `SyntheticConfig` fields."""
     if config is None:
         unknown = sorted(set(overrides) - set(SyntheticConfig.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"synthetic_multihop: unknown option(s) {unknown}; valid: "
+            raise ValueError(f"{name}: unknown option(s) {unknown}; valid: "
                              f"{', '.join(SyntheticConfig.__dataclass_fields__)}")
         config = SyntheticConfig(**overrides)
     elif overrides:
@@ -187,6 +188,6 @@ def build_synthetic_task(config: SyntheticConfig | None = None, **overrides) -> 
     world = build_world(rng, config.n_people, config.n_cities, config.n_countries,
                         config.n_orgs, config.works_for_frac)
     corpus, gold = build_corpus(world, rng, config.n_distractors)
-    splits = build_splits(candidate_questions(world, gold), config, rng)
-    return SyntheticTask(name="synthetic_multihop", corpus=corpus, splits=splits, reward="em",
+    splits = build_splits(candidate_questions(world, gold), config, rng, name)
+    return SyntheticTask(name=name, corpus=corpus, splits=splits, reward="em",
                          world=world, config=config)

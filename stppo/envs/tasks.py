@@ -1,6 +1,8 @@
 """The task registry: `build_task(name, **options)` → `Task`.
 
   synthetic_multihop  options: the fields of `SyntheticConfig` (seed, sizes, hop_mix, …)
+  testbed             the same builder under its own name (conf/task/testbed.yaml: the default
+                      world, calibrated in docs/results/testbed)
   search_r1           options: splits={split: file} or data_dir, corpus, max_questions
   hf                  options: name (hub id or local path), splits, question_key, answers_key,
                       id_key, corpus, max_questions, extra `datasets.load_dataset` arguments
@@ -26,6 +28,12 @@ def register_task(name: str):
 def _synthetic(**options: Any) -> Task:
     from stppo.envs.synthetic import build_synthetic_task
     return build_synthetic_task(**options)
+
+
+@register_task("testbed")
+def _testbed(**options: Any) -> Task:
+    from stppo.envs.synthetic import build_synthetic_task
+    return build_synthetic_task(name="testbed", **options)
 
 
 @register_task("search_r1")

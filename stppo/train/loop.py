@@ -4,7 +4,9 @@
         rollout with π_old (or, with trainer.offpolicy.lag > 0, an older policy: offpolicy.py)
         → old/ref log-probs, values → rewards → advantages (prepare.py)
         → ppo_epochs × minibatches of the policy loss, then the critic (update.py)
-        → metrics of docs/design.md §4 → collapse detector, alarms (on_alarm: stop / rollback)
+        → metrics of docs/design.md §4 → alarms (on_alarm: stop / rollback)
+        → the live check every `collapse.every` steps: greedy success of the live policy on a
+          fixed held-out subset, which the collapse rule reads (stppo.diagnostics)
         → MLflow (one batch per step; sampled trajectories as tables, samples.py)
         → validation every `val_every` steps and at the last → checkpoint every `save_every`
 
@@ -34,7 +36,7 @@ from stppo.alarms import AlarmSet
 from stppo.batch import Batch
 from stppo.cache import content_hash
 from stppo.config import Config, OffPolicyConfig
-from stppo.diagnostics import CollapseDetector
+from stppo.diagnostics import collapse_detector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
 from stppo.rollout.episodes import pad_token_id
@@ -42,8 +44,9 @@ from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
 from stppo.train.offpolicy import StaleSampler, draw_lags, live_log_probs, offpolicy_metrics
-from stppo.train.prepare import FORWARD_CHUNK, prepare_batch
-from stppo.train.samples import SampleRecorder
+from stppo.algos.kl import sampled_k3
+from stppo.train.prepare import FORWARD_CHUNK, eval_log_probs, prepare_batch
+from stppo.train.samples import SampleRecorder, sample_rows
 from stppo.train.setup import Components
 from stppo.train.update import (UpdateContext, actor_update, critic_update,
                                 old_log_probs_from_update)
@@ -65,6 +68,21 @@ def sample_questions(pool: list[Question], n: int, seed: int, step: int) -> list
     return [pool[i] for i in order[k * n:(k + 1) * n]]
 
 
+@torch.no_grad()
+def step_kl(policy, batch: Batch, before: torch.Tensor | None, precision) -> float:
+    """`actor/step_kl`: the mean over the agent tokens of the first row of each group of k3 =
+    e^r − 1 − r, r = log π_after − log π_before — KL(π_before ‖ π_after) of the step's update
+    (π_before: the live policy's log-probs `before`; the sampler's when the update took π_old
+    from its own forward, which on-policy are π_old's up to the engine's rounding). One no-grad
+    forward of those rows."""
+    rows = torch.tensor(sample_rows(batch, len(batch)), dtype=torch.long, device=batch.input_ids.device)
+    mb = batch.select(rows)
+    ref = (before if before is not None else batch.rollout_log_probs)[rows]
+    with precision.autocast():
+        after = eval_log_probs(policy, mb, len(mb))
+    return float(sampled_k3(after, ref)[mb.loss_mask].mean()) if mb.loss_mask.any() else 0.0
+
+
 def rollout_config(cfg: Config, *, greedy: bool = False) -> RolloutConfig:
     return RolloutConfig.from_settings(cfg.trainer.rollout, greedy=greedy)
 
@@ -83,10 +101,10 @@ def env_metrics(batch: Batch) -> dict[str, float]:
 
 
 @torch.no_grad()
-def validate(cfg: Config, comps: Components, d: Dist = Dist()) -> float:
-    """Greedy success rate on the first `val_questions` held-out questions (each rank rolls out
-    its share; the scores are summed over ranks)."""
-    qs = comps.task.split("val")[: cfg.trainer.val_questions]
+def validate(cfg: Config, comps: Components, d: Dist = Dist(), questions: int | None = None) -> float:
+    """Greedy success rate on the first `questions` (default `val_questions`) held-out questions
+    (each rank rolls out its share; the scores are summed over ranks)."""
+    qs = comps.task.split("val")[: cfg.trainer.val_questions if questions is None else questions]
     mine = d.shard(qs)
     rc = rollout_config(cfg, greedy=True)
     total = torch.zeros((), dtype=torch.float64)
@@ -120,7 +138,7 @@ class Trainer:
                                            weight_decay=tr.weight_decay)
         self.critic_opt = (torch.optim.AdamW(comps.critic.parameters(), lr=tr.critic_lr,
                                              weight_decay=tr.weight_decay) if comps.critic else None)
-        self.detector = CollapseDetector(tr.collapse)
+        self.detector = collapse_detector(tr.collapse)  # the live checks (and non-finite steps)
         self.ctx = UpdateContext(cfg.algo, tr, torch.Generator(), dist=dist,
                                  precision=comps.precision,
                                  max_turns=cfg.task.max_turns if cfg.diagnostics.per_turn else 0)
@@ -135,13 +153,15 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
         self.logged = {"train": -1, "val": -1}
-        self.alarms = AlarmSet(tr.alarm)
+        self.alarms = AlarmSet(tr.alarm, tr.collapse.sampled)
         self.rollbacks = 0
         self.snapshot: dict | None = None  # on_alarm=rollback: the last checkpoint, in memory
         self.stop_reason: str | None = None
         dg = cfg.diagnostics
         questions = {q.id: q for q in comps.task.split("train")}
-        self.samples = SampleRecorder(dg.samples_every, dg.samples_count, tr.collapse.patience,
+        # a collapse is detected (patience − 1) × every steps after its onset: keep those tables
+        keep = (tr.collapse.patience - 1) * tr.collapse.every + 1
+        self.samples = SampleRecorder(dg.samples_every, dg.samples_count, keep,
                                       comps.tokenizer, questions, comps.precision)
 
     # -- state ----------------------------------------------------------------------------------
@@ -205,6 +225,8 @@ class Trainer:
             if self.c.critic_warmstart:
                 self.tracker.log(0, self.c.critic_warmstart)
             self._validate(0)
+            if tr.collapse.every:
+                self._log(0, self._live_check(0))
         if tr.on_alarm == "rollback" and self.snapshot is None:
             self._save()  # the start (step 0, or the resumed checkpoint) is the first fallback
         bar = tqdm(total=tr.total_steps, initial=self.step, desc=f"{cfg.algo.name} seed {cfg.seed}",
@@ -212,6 +234,9 @@ class Trainer:
         while self.step < tr.total_steps:
             self.step += 1
             metrics = self.train_step(self.step)
+            if tr.collapse.every and self.step % tr.collapse.every == 0:
+                metrics.update(self._live_check(self.step))
+            metrics[K.COLLAPSE_DETECTED] = float(self.detector.detected)
             self._log(self.step, metrics)
             if self._val_due(self.step):
                 self._validate(self.step)
@@ -267,6 +292,8 @@ class Trainer:
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:
             metrics.update(actor_update(c.policy, self.actor_opt, batch, self.ctx))
+            before = live if self.stale is not None else batch.old_log_probs
+            metrics[K.STEP_KL] = step_kl(c.policy, batch, before, c.precision)
         else:
             metrics[K.SKIPPED_STEPS] = 0.0
         if c.critic is not None:
@@ -282,20 +309,39 @@ class Trainer:
             metrics[K.GPU_PEAK_MEM] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics = d.reduce_metrics(metrics)  # one value per key on every rank
         metrics[K.TOKENS_PER_S] *= d.world  # the mean over ranks → the group's throughput
-        was = self.detector.detected
-        self.detector.update(step, metrics[K.SUCCESS_RATE], metrics[K.SKIPPED_STEPS] > 0)
-        metrics[K.COLLAPSE_DETECTED] = float(self.detector.detected)
-        if self.detector.detected and not was:
-            metrics[K.COLLAPSE_STEP] = float(self.detector.collapse_step)
-        self._on_alarms(step, metrics)
         if d.is_main:
             self.samples.capture(step, batch, c.policy)
-            due = self.samples.due(step, self.detector.collapse_step, self.detector.detected and not was)
-            for s, table in due:
-                self.tracker.log_table(K.samples_artifact(s), table)
-            if due:
-                self.tracker.set_tags({K.TAG_SAMPLES_STEPS: ",".join(map(str, self.samples.written))})
+        metrics.update(self._observe(lambda: self.detector.observe_step(step, metrics[K.SKIPPED_STEPS] > 0,
+                                                                        metrics[K.SUCCESS_RATE])))
+        self._on_alarms(step, metrics)
+        if d.is_main:
+            self._write_samples(step, detected_now=False)
         return metrics
+
+    def _observe(self, feed) -> dict[str, float]:
+        """Feed the collapse detector; `collapse/step` (and the onset's samples) when it fires."""
+        was = self.detector.detected
+        feed()
+        if not self.detector.detected or was:
+            return {}
+        if self.dist.is_main:
+            self._write_samples(self.step, detected_now=True)
+        return {K.COLLAPSE_STEP: float(self.detector.collapse_step)}
+
+    def _write_samples(self, step: int, detected_now: bool) -> None:
+        due = self.samples.due(step, self.detector.collapse_step, detected_now)
+        for s, table in due:
+            self.tracker.log_table(K.samples_artifact(s), table)
+        if due:
+            self.tracker.set_tags({K.TAG_SAMPLES_STEPS: ",".join(map(str, self.samples.written))})
+
+    def _live_check(self, step: int) -> dict[str, float]:
+        """The live policy's greedy success on the first `collapse.questions` held-out questions,
+        fed to the collapse detector."""
+        t0 = time.perf_counter()
+        v = validate(self.cfg, self.c, self.dist, questions=self.cfg.trainer.collapse.questions)
+        out = {K.VAL_LIVE_SUCCESS_RATE: v, K.LIVE_CHECK_TIME: time.perf_counter() - t0}
+        return out | self._observe(lambda: self.detector.observe_validation(step, v))
 
     def _stale_rollout(self, step: int, groups: list[Question], lags: list[int], salt: str) -> Batch:
         """The rank's groups, each rolled out by the policy of its lag (offpolicy.py); the rows

@@ -37,6 +37,7 @@ from stppo.batch import Batch
 from stppo.config import OffPolicyConfig
 from stppo.models import Precision
 from stppo.train.dapo import concat_batches, rows
+from stppo.algos.kl import sampled_k3
 from stppo.train.prepare import eval_log_probs
 
 # roll(model, questions, generator, group_ids) → Batch: one rollout of `questions` (each
@@ -189,8 +190,7 @@ def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tens
     agent = batch.loss_mask if agent_mask is None else agent_mask
     mask = agent & (batch.rollout_lags > 0)[:, None]  # (N, T)
     live = batch.old_log_probs if live is None else live
-    r = (live - batch.stale_log_probs.to(live)).double()  # log π_live − log π_stale
-    k3 = torch.expm1(r.clamp(-20.0, 20.0)) - r  # (N, T) ≥ 0; its mean under π_stale: KL(π_stale ‖ π_live)
+    k3 = sampled_k3(live, batch.stale_log_probs.to(live))  # (N, T) ≥ 0; mean under π_stale: KL(π_stale ‖ π_live)
     sums = torch.stack([per_group.sum(), torch.tensor(float(len(per_group)), dtype=torch.float64,
                                                       device=lags.device),
                         k3[mask].sum(), agent.sum().double()])

@@ -108,7 +108,7 @@ def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
     if getattr(task, "world", None) is None:
         raise ValueError(f"trainer.warmstart needs an oracle, which task {cfg.task.name!r} lacks; "
                          "set trainer.warmstart.enabled=false (pretrained models) or use "
-                         "task=synthetic_multihop")
+                         "task=testbed or task=synthetic_multihop")
     key = {"model": asdict(cfg.model), "task": asdict(cfg.task), "warmstart": asdict(ws),
            "tokenizer": content_hash(tokenizer.get_vocab()), "version": 1}
     path = sft.warmstart_dir(key)
@@ -124,7 +124,7 @@ def warm_start(cfg: Config, task: Task, env: SearchEnv, policy, tokenizer, *,
         episodes = []
         for rep in range(SFT_EPISODES_PER_QUESTION):
             episodes += run_oracle(env, task, questions, error_rate=ws.error_rate,
-                                   seed=WARMSTART_SEED + rep)
+                                   seed=WARMSTART_SEED + rep, shortcut_rate=ws.shortcut_rate)
         losses = sft.train_sft(policy, tokenizer, episodes, ws, seed=WARMSTART_SEED,
                                progress=progress, precision=precision)
         final = sum(losses[-20:]) / max(1, len(losses[-20:]))

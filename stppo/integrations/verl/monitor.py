@@ -8,16 +8,20 @@ and handles every new training step in step order, as the own trainer logs a ste
 
     copies (TRAIN_COPIES, LOSS_COPIES, turn_copies(K))   stppo's names of verl's values
     actor/skipped_steps                                  1.0 when verl's grad norm or loss is non-finite
-    CollapseDetector.update(step, success, non-finite)   the one collapse rule (stppo.diagnostics);
+    CollapseDetector.observe_step(step, non-finite)      the one collapse rule (stppo.diagnostics);
                                                          collapse/detected every step, collapse/step once
     AlarmSet.update(step, view)                          the online alarms (stppo.alarms) on the
                                                          step's stppo-named values; alarm/<name> = 1.0
                                                          at the step one fires
 
-New validation points are copied to `val/success_rate`. `should_stop` / `stop_reason` tell the
-launcher to stop verl: a collapse with `stop_on_collapse` (a non-finite collapse always), an alarm
-with `on_alarm='stop'`. Copies go through stppo's `Tracker` (retries, buffering while the store is
-away). Verl-free and torch-free.
+New validation points are copied to `val/success_rate` and `val/live_success_rate`: verl's
+validation of the live weights is the live check the collapse rule reads
+(`CollapseDetector.observe_validation`; the launcher sets verl's `test_freq` to
+`trainer.collapse.every` when that is more often than `val_every`). Training steps and validation
+points are handled in step order, a validation after the training step of its number.
+`should_stop` / `stop_reason` tell the launcher to stop verl: a collapse with `stop_on_collapse`
+(a non-finite collapse always), an alarm with `on_alarm='stop'`. Copies go through stppo's
+`Tracker` (retries, buffering while the store is away). Verl-free and torch-free.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Mapping
 
 from stppo import metric_names as K
 from stppo.alarms import INDICATORS, AlarmConfig, AlarmSet
-from stppo.diagnostics import CollapseConfig, CollapseDetector
+from stppo.diagnostics import CollapseConfig, collapse_detector
 from stppo.integrations.verl.metrics import (LOSS_COPIES, NONFINITE_KEYS, SAME_NAME, STEP_KEY, TRAIN_COPIES,
                                              copy_values, namespace_copies, turn_copies, val_key)
 from stppo.tracker import Tracker
@@ -65,8 +69,8 @@ class RunMonitor:
         self.total_steps = total_steps
         self.stop_on_collapse = stop_on_collapse
         self.on_alarm = on_alarm
-        self.detector = CollapseDetector(collapse)
-        self.alarms = AlarmSet(alarm)
+        self.detector = collapse_detector(collapse or CollapseConfig())
+        self.alarms = AlarmSet(alarm, (collapse or CollapseConfig()).sampled)
         self.alarm_stop: str | None = None  # 'alarm NAME at step S' once on_alarm=stop fires
         self.step = 0  # last training step handled
         self.val_history: list[tuple[int, float]] = []
@@ -101,13 +105,24 @@ class RunMonitor:
             self._keys = tuple(dict.fromkeys((*self._keys, *(c.verl for c in own))))
         hist = {k: self._history(k) for k in self._keys if k in logged}
         new = sorted(s for s in hist.get(STEP_KEY, {}) if s > self.step)
-        for s in new:
-            self._train_step(s, {k: h[s] for k, h in hist.items() if s in h})
-        for s, v in sorted(self._history(self.val_key).items() if self.val_key in logged else ()):
-            if not self.val_history or s > self.val_history[-1][0]:
-                self.val_history.append((s, v))
-                self.tracker.log(s, {K.VAL_SUCCESS_RATE: v})
+        last_val = self.val_history[-1][0] if self.val_history else -1
+        vals = [(s, v) for s, v in sorted(self._history(self.val_key).items() if self.val_key in logged else ())
+                if s > last_val]
+        events = sorted([(s, 0, None) for s in new] + [(s, 1, v) for s, v in vals], key=lambda e: e[:2])
+        for s, kind, v in events:
+            if kind == 0:
+                self._train_step(s, {k: h[s] for k, h in hist.items() if s in h})
+            else:
+                self._validation(s, v)
         return len(new)
+
+    def _validation(self, step: int, v: float) -> None:
+        self.val_history.append((step, v))
+        out = {K.VAL_SUCCESS_RATE: v, K.VAL_LIVE_SUCCESS_RATE: v}
+        was = self.detector.detected
+        self.detector.observe_validation(step, v)
+        out |= self._collapse_marks(was)
+        self.tracker.log(step, out)
 
     def _history(self, key: str) -> dict[int, float]:
         """{step: value} of a metric (the last value logged at a step wins)."""
@@ -125,12 +140,17 @@ class RunMonitor:
 
     def _collapse(self, step: int, out: dict[str, float], bad: bool) -> None:
         was = self.detector.detected
-        self.detector.update(step, out.get(K.SUCCESS_RATE), bad)
-        out[K.COLLAPSE_DETECTED] = float(self.detector.detected)
+        self.detector.observe_step(step, bad, out.get(K.SUCCESS_RATE))
+        out |= self._collapse_marks(was)
+
+    def _collapse_marks(self, was: bool) -> dict[str, float]:
+        """collapse/detected, and collapse/step when the detector fired just now."""
+        out = {K.COLLAPSE_DETECTED: float(self.detector.detected)}
         if self.detector.detected and not was:
             out[K.COLLAPSE_STEP] = float(self.detector.collapse_step)
             log.warning("stppo: verl run collapsed at step %d (%s)", self.detector.collapse_step,
                         self.detector.reason)
+        return out
 
     def _alarms(self, step: int, out: dict[str, float], view: Mapping[str, float]) -> None:
         """Feed the alarms the step's stppo-named values; log alarm/<name> for those that fire

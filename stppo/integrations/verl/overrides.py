@@ -30,7 +30,8 @@ is rejected by `check_translatable` when it would change the run):
   trainer.actor_lr/critic_lr actor.optim.lr / critic.optim.lr (+ weight_decay, max_grad_norm → optim.clip_grad)
   trainer.questions_per_step data.train_batch_size; group_size → rollout.n
   trainer.minibatch_size     actor.ppo_mini_batch_size = minibatch_size / group_size (verl counts prompts)
-  trainer.ppo_epochs, critic_warmup, total_steps, val_every, save_every, val_questions
+  trainer.ppo_epochs, critic_warmup, total_steps, val_every and collapse.every (test_freq:
+                             `test_freq`), save_every, val_questions
   task.max_turns             rollout.multi_turn.max_assistant_turns
   trainer.rollout            temperature, top_p; max_total_tokens = data.max_prompt_length
                              + data.max_response_length (`verl_lengths`)
@@ -132,6 +133,13 @@ def model_source(cfg: Config) -> str:
         raise ValueError(f"model={cfg.model.name} is a {preset.kind} preset built by stppo's own trainer; "
                          "backend=verl needs a pretrained model: model=qwen2_5_* or model.path=DIR")
     return preset.source
+
+
+def test_freq(val_every: int, live_every: int) -> int:
+    """verl's validation interval: the collapse rule's live checks (`trainer.collapse.every`)
+    when they are more often than `val_every`, which verl's one validation then also serves;
+    -1 (none) when both are 0."""
+    return min((k for k in (val_every, live_every) if k > 0), default=-1)
 
 
 def verl_lengths(cfg: Config) -> tuple[int, int]:
@@ -405,7 +413,7 @@ def _trainer(cfg: Config, files: JobFiles) -> dict[str, Any]:
         "trainer.nnodes": b.nnodes, "trainer.n_gpus_per_node": b.n_gpus_per_node,
         "trainer.total_training_steps": t.total_steps, "trainer.total_epochs": t.total_steps,
         "trainer.critic_warmup": t.critic_warmup, "trainer.val_before_train": True,
-        "trainer.test_freq": t.val_every or -1, "trainer.save_freq": t.save_every or -1,
+        "trainer.test_freq": test_freq(t.val_every, t.collapse.every), "trainer.save_freq": t.save_every or -1,
         "trainer.default_local_dir": files.checkpoints,
         "trainer.resume_mode": "auto" if t.resume else "disable",
     }
