@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from stppo.algos.ratios import importance_ratio
+from stppo.algos.surrogate import surrogate_parts
 from stppo.metric_names import (CLIP_BIAS_NORM, CLIP_BIAS_NORM_MAX, CLIP_BIAS_SCALE,
                             CLIP_BIAS_TRIGGERED, PG_CLIPFRAC, PG_CLIPFRAC_HIGH, PG_CLIPFRAC_LOW,
                             PG_LOSS, PG_LOSS_NORM, PPO_KL, RATIO_MAX, RATIO_MEAN)
@@ -43,3 +45,20 @@ def clip_metrics(loss: torch.Tensor, *, loss_norm: torch.Tensor, clipfrac_high: 
         CLIP_BIAS_SCALE: mean_scale.detach().to(one.dtype),
         CLIP_BIAS_TRIGGERED: triggered,
     }
+
+
+@torch.no_grad()
+def clip_fractions(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                   loss_mask: torch.Tensor, turn_ids: torch.Tensor, *, ratio_level: str,
+                   clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:
+    """PG_CLIPFRAC (= _HIGH + _LOW): the shares of agent tokens whose clip binds, counted from ρ
+    at `ratio_level` and the sign of the *unweighted* advantage, as verl counts them
+    (`compute_policy_loss_vanilla` takes its clip fraction before it multiplies the loss by the
+    rollout IS weights): a token with weight 0 outside the clip range counts as clipped. (N, T)
+    inputs; detached 0-d."""
+    ratio, _ = importance_ratio(log_probs.detach(), old_log_probs, loss_mask, turn_ids, ratio_level)
+    adv = torch.where(loss_mask, advantages, 0.0).to(ratio.dtype)
+    parts = surrogate_parts(torch.where(loss_mask, ratio, 1.0), adv, clip_low, clip_high)
+    n = loss_mask.sum().clamp(min=1)
+    high, low = (parts.clipped_high & loss_mask).sum() / n, (parts.clipped_low & loss_mask).sum() / n
+    return {PG_CLIPFRAC: high + low, PG_CLIPFRAC_HIGH: high, PG_CLIPFRAC_LOW: low}

@@ -14,7 +14,9 @@ line without them. Rollout IS weights ω (N, T)
 (the rollout correction's, `stppo.algos.rollout_corr`; ω ≥ 0) multiply the per-token loss, as
 verl's. On the clip path they are applied as advantages ωA: the clipped surrogate is positively
 homogeneous in A — clipping depends on the sign of A only and ω ≥ 0 — so s(ρ, ωA) = ω s(ρ, A)
-exactly, and the clip path itself stays untouched.
+exactly, and the clip path itself stays untouched. Its clip fractions are then counted from the
+unweighted A (`clip_metrics.clip_fractions`), as verl counts them: a token whose weight is 0 but
+whose ratio is outside the clip range is clipped there too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from stppo.algos.baselines.dro import dro_loss
 from stppo.algos.baselines.gmpo import gmpo_loss
 from stppo.algos.baselines.sapo import sapo_loss
 from stppo.algos.baselines.sspo import sspo_loss
+from stppo.algos.clip_metrics import clip_fractions
 from stppo.algos.loss import check_token_tensors, clip_policy_loss
 from stppo.registry import Registry
 
@@ -148,9 +151,13 @@ def dispatch(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_
                            correction_kind=_kind(kw.get("correction")),
                            dual_clip=kw.get("dual_clip"), options=options)
     if loss_mode == "clip":  # ω A: see the module docstring
-        if rollout_is_weights is not None:
-            advantages = torch.where(loss_mask, advantages * rollout_is_weights, advantages)
-        return clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw)
+        if rollout_is_weights is None:
+            return clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, **kw)
+        weighted = torch.where(loss_mask, advantages * rollout_is_weights, advantages)
+        loss, metrics = clip_policy_loss(log_probs, old_log_probs, weighted, loss_mask, turn_ids, **kw)
+        return loss, {**metrics, **clip_fractions(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
+                                                  ratio_level=kw["ratio_level"], clip_low=kw["clip_low"],
+                                                  clip_high=kw["clip_high"])}
     _check_common(log_probs, loss_mask, kw)
     return LOSS_MODES[loss_mode].fn(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
                                     opts=opts, rollout_is_weights=rollout_is_weights, **kw)

@@ -238,3 +238,46 @@ def test_the_stppo_loss_under_verls_ppo_loss_is_verls_bypass_mode(actor_config, 
         same_metrics(a, {k: x for k, x in v.items() if k.startswith(PREFIX)})
         assert a[K.PPO_KL] == pytest.approx(v["actor/ppo_kl"], rel=5e-8, abs=1e-12)
     assert rc.rollout_rs is None or any(0 < floats(v)[K.ROLLOUT_RS_MASKED_FRACTION] < 1 for v in vm)
+
+
+# --- the clip fraction under IcePop ---------------------------------------------------------------
+def test_clip_fractions_under_icepop_count_tokens_as_verl_does():
+    """decoupled_token_icepop zeroes the weight of tokens whose π_old / π_rollout is outside
+    [0.5, 5]. On some of them A > 0 and ρ = π_θ / π_old = e^0.5 > 1 + ε_high: verl's vanilla loss
+    counts them clipped (its clip fraction comes before the weights), and so does stppo — in its
+    own loss and in `stppo_ppo` under verl, with pg_clipfrac_lower of the dual clip — while the
+    loss and its gradient stay verl's."""
+    from stppo.integrations.verl.losses import make_verl_loss
+
+    x = batch(seed=6, noise=0.8)
+    mask = x["mask"]
+    c = rollout_correction(x["old"], x["rollout"], mask, RolloutCorrection("decoupled_token_icepop"))
+    w = c.weights
+    zeroed = mask & (w == 0)  # (N, T)
+    lp = torch.where(zeroed, x["old"] + 0.5, x["lp"])  # ρ = e^0.5 ≈ 1.65 there
+    adv = torch.where(zeroed, x["adv"].abs() + 0.1, x["adv"])  # A > 0 there
+    assert int(zeroed.sum()) >= 3 and bool((mask & (w > 0) & ((lp - x["old"]).exp() > 1.28)).any())
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio=0.2,
+                      clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                      policy_loss=PolicyLossConfig(loss_mode="vanilla"),
+                      global_batch_info={"dp_size": 1, "batch_num_tokens": int(mask.sum()),
+                                         "global_batch_size": int(mask.any(dim=1).sum())})
+    results = {}
+    for name, fn in (("verl", core.get_policy_loss_fn("vanilla")), ("stppo", make_verl_loss("ppo"))):
+        g_lp = lp.clone().requires_grad_(True)
+        loss, m = fn(old_log_prob=x["old"], log_prob=g_lp, advantages=adv, response_mask=mask,
+                     loss_agg_mode="token-mean", config=cfg, rollout_is_weights=w)
+        (g,) = torch.autograd.grad(loss, g_lp)
+        results[name] = (loss.detach(), g, {k: float(v) for k, v in m.items()})
+    (vl, vg, vm), (sl, sg, sm) = results["verl"], results["stppo"]
+    for key in (K.PG_CLIPFRAC, K.PG_CLIPFRAC_LOWER):
+        assert sm[key] == pytest.approx(vm[key], rel=1e-12, abs=1e-15), key
+    torch.testing.assert_close(sl, vl, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(sg, vg, rtol=TOL, atol=TOL)
+    # the zeroed tokens are in verl's count: without them it would be smaller
+    n = int(mask.sum())
+    assert vm[K.PG_CLIPFRAC] * n >= int(zeroed.sum())
+    # the own trainer's loss reports the same clip fraction
+    spec = LossSpec("ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg="token-mean")
+    own = policy_loss(lp, x["old"], adv, mask, torch.where(mask, 0, -1), spec, rollout_is_weights=w)
+    assert float(own.metrics[K.PG_CLIPFRAC]) == pytest.approx(vm[K.PG_CLIPFRAC], rel=1e-12)
