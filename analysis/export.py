@@ -25,7 +25,7 @@ import pandas as pd
 
 from stppo.tracker import resolve_uri
 
-from .load import Study, load_study, with_collapse_settings
+from .load import Study, list_experiments, load_study, with_collapse_settings
 from .store import AnalysisError
 
 FILES = ("runs", "metrics", "params")
@@ -85,14 +85,15 @@ def _merge(parts: dict[str, list[pd.DataFrame]], uri: str, experiments: Sequence
 
 
 def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_only: bool = False) -> Study:
-    """One Study of `experiments` from several MLflow stores (a store without them is skipped;
-    none having them is one `AnalysisError` line); `finished_only` keeps the FINISHED runs."""
+    """One Study of `experiments` from several MLflow stores, each store giving those of them it
+    holds (a store holding none is skipped; none holding any is one `AnalysisError` line; a store
+    that does not exist is an error); `finished_only` keeps the FINISHED runs."""
     parts = {name: [] for name in FILES}
     for uri in uris:
-        try:
-            study = load_study(list(experiments), uri)
-        except AnalysisError:
+        held = [e for e in dict.fromkeys(experiments) if e in list_experiments(uri)]
+        if not held:
             continue
+        study = load_study(held, uri)
         if finished_only:
             study = study.only(study.runs.loc[study.runs["status"].astype(str) == "FINISHED", "run_id"])
         if study.runs.empty:

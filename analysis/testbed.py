@@ -1,6 +1,6 @@
 """The testbed's calibration table (docs/results/testbed): one row per run, and the targets.
 
-    python -m analysis.testbed --tracking-uri sqlite:///testbed.db --out docs/results/testbed
+    python -m analysis.testbed --tracking-uri sqlite:///testbed.db [--tracking-uri URI …] --out docs/results/testbed
 
 Per run (experiments `testbed` — on-policy — and `testbed_reuse` — the minibatch-reuse regime —
 and any other given): the preset, model, seed and actor lr; the warm start's greedy validation
@@ -26,7 +26,8 @@ from stppo import metric_names as T
 from stppo.tracker import resolve_uri
 
 from .axes import param_values
-from .load import Study, load_study
+from .export import merge_stores
+from .load import Study
 from .store import AnalysisError
 from .tables import per_run_table
 
@@ -119,12 +120,13 @@ def _line(ok: bool, what: str, shown: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.testbed", description=__doc__.splitlines()[0])
-    p.add_argument("--tracking-uri", default=None, help="the calibration's store (default: MLFLOW_TRACKING_URI)")
+    p.add_argument("--tracking-uri", action="append", default=None,
+                   help="a calibration store (default: MLFLOW_TRACKING_URI); repeat to merge stores")
     p.add_argument("--experiment", nargs="+", default=[ON_POLICY, REUSE])
     p.add_argument("--out", required=True, type=Path)
     a = p.parse_args(argv)
     try:
-        study = load_study(a.experiment, resolve_uri(a.tracking_uri), use_cache=False)
+        study = merge_stores(a.experiment, [resolve_uri(u) for u in (a.tracking_uri or [None])], finished_only=True)
     except AnalysisError as e:
         print(f"python -m analysis.testbed: error: {e}", file=sys.stderr)
         return 2

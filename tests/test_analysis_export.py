@@ -86,3 +86,6 @@ def test_stores_merge_into_one_folder_without_unfinished_runs(known_uri, tmp_pat
     assert ids[0] not in set(done.metrics["run_id"].astype(str)) | set(done.params["run_id"])
     assert main(["--experiment", KNOWN, "--tracking-uri", empty, "--tracking-uri", empty,
                  "--out", str(tmp_path / "none")]) == 2
+    # a store that does not exist is an error, not a store without the experiment
+    assert main([*args, "--tracking-uri", f"sqlite:///{tmp_path / 'typo.db'}", "--out", str(tmp_path / "t")]) == 2
+
