@@ -124,7 +124,7 @@ def test_mcq_task_and_reward(tmp_path):
 
 
 def test_registries_list_valid_names():
-    with pytest.raises(ValueError, match="allowed: synthetic_multihop, search_r1, hf, mcq"):
+    with pytest.raises(ValueError, match="allowed: synthetic_multihop, testbed, search_r1, hf, mcq"):
         build_task("nq")
     with pytest.raises(ValueError, match="allowed: bm25, http"):
         build_retriever("dense")

@@ -98,7 +98,7 @@ def test_a_verl_run_carries_stppos_tags_params_and_metric_names(study):
     tags, params, rid = run.data.tags, run.data.params, run.info.run_id
     assert run.info.status == "FINISHED"
     assert {k: tags[k] for k in ("algo", "model", "task", "seed", "backend")} == {
-        "algo": "st_ppo", "model": "qwen2_5_0_5b", "task": "synthetic_multihop", "seed": "0", "backend": "verl"}
+        "algo": "st_ppo", "model": "qwen2_5_0_5b", "task": "testbed", "seed": "0", "backend": "verl"}
     assert params["algo.clip_low"] == "0.2" and params["backend.name"] == "verl"  # stppo's config
     assert params["trainer/project_name"] == EXPERIMENT  # verl's own Tracking logged into the same run
     score, success = history(client, rid, "critic/score/mean"), history(client, rid, K.SUCCESS_RATE)
@@ -106,7 +106,7 @@ def test_a_verl_run_carries_stppos_tags_params_and_metric_names(study):
     turns = history(client, rid, "num_turns/mean")
     assert history(client, rid, K.NUM_TURNS_MEAN) == {s: v / 2 for s, v in turns.items()}
     val = history(client, rid, K.VAL_SUCCESS_RATE)
-    assert val == history(client, rid, "val-core/synthetic_multihop/acc/mean_at_1") and sorted(val) == [0, 2, 4, 6]
+    assert val == history(client, rid, "val-core/testbed/acc/mean_at_1") and sorted(val) == [0, 2, 4, 6]
     assert set(history(client, rid, K.COLLAPSE_DETECTED).values()) == {0.0}
     assert set(history(client, rid, K.SKIPPED_STEPS).values()) == {0.0}
     assert study["objective"] == late_mean(sorted(val.items()), 6, 6) == val[6]
