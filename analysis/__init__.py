@@ -4,7 +4,7 @@ Reads MLflow only (never torch, never `stppo.train`): `load_study` for data, `co
 one collapse rule, `aggregate`/`preset_table`/`significance_table`/`growth_table` for numbers, `early_warning` for the
 lead time / false alarms / ROC AUC of every alarm indicator, the `fig_*` functions for figures
 (`analysis.charts`: their interactive Altair forms), `analysis.samples` for the sampled
-trajectories, `python -m analysis.report` for all of it on disk, and `python -m analysis.frontier`
+trajectories, `python -m analysis.report` for all of it on disk, and `python -m analysis.studies.frontier`
 for the stability frontier of a study along the level, the lag of stale rollouts or both
 (`analysis.axes` reads a run's lag, lag mode and rollout correction from its params).
 """

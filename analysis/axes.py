@@ -3,10 +3,10 @@
 * level — the run's MLflow experiment (`frontier_l1`, …): how far the update moves from the
   policy that sampled (actor lr × PPO epochs × minibatches, `conf/level/`);
 * lag — the param `trainer.offpolicy.lag` (k ≥ 0: the batch of step t was sampled by the policy
-  k updates older than the one it trains, θ_{t−1−k}; docs/design.md §8); a run without it (older runs) has lag 0. Its
-  `trainer.offpolicy.lag_mode` (fixed | uniform; `fixed` when absent) is kept as a dimension of its
-  own: a lag-k cell of each mode is a cell;
-* correction — the param `algo.rollout_correction` (`none` when absent or `none`): a preset run
+  k updates older than the one it trains, θ_{t−1−k}; docs/design.md §8); a run logged before
+  the setting existed has lag 0 (`stppo.param_names`). Its `trainer.offpolicy.lag_mode` (fixed |
+  uniform) is kept as a dimension of its own: a lag-k cell of each mode is a cell;
+* correction — the param `algo.rollout_correction` (`none`, also for runs logged before it existed): a preset run
   with a correction is a series of its own, labelled `preset+correction` (`grpo+decoupled_geo_rs`).
 
 `with_axes` adds these as columns of a per-run table (`tables.per_run_table`); the frontier's
@@ -19,12 +19,12 @@ from typing import Sequence
 
 import pandas as pd
 
-LAG_PARAM = "trainer.offpolicy.lag"
-LAG_MODE_PARAM = "trainer.offpolicy.lag_mode"
-CORRECTION_PARAM = "algo.rollout_correction"
-CRITIC_WARMSTART_PARAM = "trainer.critic_warmstart.enabled"
-NO_CORRECTION = "none"
-DEFAULT_LAG_MODE = "fixed"
+from stppo import param_names as P
+
+from .params import param_column
+
+NO_CORRECTION = P.ROLLOUT_CORRECTION.legacy
+DEFAULT_LAG_MODE = P.LAG_MODE.legacy
 # axis -> the per-run columns that make the x of a cell (`experiment` is shown as `level`)
 AXES: dict[str, tuple[str, ...]] = {"level": ("experiment",), "lag": ("lag", "lag_mode"),
                                     "both": ("experiment", "lag", "lag_mode")}
@@ -42,14 +42,6 @@ def base_preset(label: str) -> str:
     return str(label).split("+", 1)[0]
 
 
-def param_values(runs: pd.DataFrame, params: pd.DataFrame, key: str) -> pd.Series:
-    """The value (string) of param `key` for each run of `runs`, aligned with its rows (NaN where
-    a run did not log it)."""
-    hits = params.loc[params["key"] == key, ["run_id", "value"]].drop_duplicates("run_id", keep="last")
-    values = hits.set_index(hits["run_id"].astype(str))["value"].astype(str)
-    return runs["run_id"].astype(str).map(values)
-
-
 def with_axes(runs: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
     """A copy of a per-run table with the axis columns: `lag` (int), `lag_mode`, `correction`,
     `critic_warmstart` (bool), `base_algo` (the run's preset tag) and `algo` set to the preset
@@ -57,13 +49,10 @@ def with_axes(runs: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
     if "base_algo" in runs.columns:
         return runs
     out = runs.copy()
-    lag = pd.to_numeric(param_values(out, params, LAG_PARAM), errors="coerce").fillna(0)
-    out["lag"] = lag.astype(int).to_numpy()
-    mode = param_values(out, params, LAG_MODE_PARAM)
-    out["lag_mode"] = mode.where(mode.notna() & ~mode.isin(["", "None"]), DEFAULT_LAG_MODE).to_numpy()
-    corr = param_values(out, params, CORRECTION_PARAM)
-    out["correction"] = corr.where(corr.notna() & ~corr.isin(["", "None"]), NO_CORRECTION).to_numpy()
-    warm = param_values(out, params, CRITIC_WARMSTART_PARAM).fillna("").astype(str).str.lower().eq("true")
+    out["lag"] = pd.to_numeric(param_column(out, params, P.LAG)).astype(int).to_numpy()
+    out["lag_mode"] = param_column(out, params, P.LAG_MODE).to_numpy()
+    out["correction"] = param_column(out, params, P.ROLLOUT_CORRECTION).to_numpy()
+    warm = param_column(out, params, P.CRITIC_WARMSTART).str.lower().eq("true")
     out["critic_warmstart"] = warm.to_numpy() | out["experiment"].astype(str).str.startswith("critic_ws_").to_numpy()
     out["base_algo"] = out["algo"].astype(str)
     out["algo"] = [preset_label(a, c) for a, c in zip(out["base_algo"], out["correction"])]

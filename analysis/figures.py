@@ -7,7 +7,7 @@ are plain `matplotlib.figure.Figure` (thread-safe in a server, never leaked, nev
 * `fig_success_by_preset` — validation success per preset, one panel per model size (Fig. 4);
 * `fig_clip_kl` — clip ratio and KL per preset (Fig. 5);
 * `fig_frontier`, `fig_frontier_grid` — collapse probability per cell of the stability frontier
-  (`analysis.frontier`) against the level or the lag, and per level against the lag.
+  (`analysis.studies.frontier`) against the level or the lag, and per level against the lag.
 Curves across seeds are the mean with a 95% band that stays in the quantity's range (`stats.aggregate`:
 bootstrap for rates and non-negative quantities, t otherwise); where seeds drop out the points are
 marked and the new count is written ("n=2"). Step axes have integer ticks. A metric a run did not
@@ -242,7 +242,7 @@ def frontier_series(cells: pd.DataFrame) -> list[tuple[str, str | None]]:
 def cell_errorbar(ax, cells: pd.DataFrame, xs, y: str, *, color, marker: str, ls: str = "-",
                   hollow: bool = False, label: str | None = None):
     """One line of cells at positions `xs`: column `y` with bars to its interval (`y`_low,
-    `y`_high, as `analysis.frontier.cell_table` names them); no bar where a bound is NaN."""
+    `y`_high, as `analysis.studies.frontier.cell_table` names them); no bar where a bound is NaN."""
     err = np.vstack([cells[y] - cells[f"{y}_low"], cells[f"{y}_high"] - cells[y]])
     err = np.nan_to_num(err, nan=0.0).clip(min=0.0)  # float noise at 0, 1
     return ax.errorbar(xs, cells[y], yerr=err, marker=marker, ms=5, lw=1.2, capsize=2, ls=ls, color=color,

@@ -23,12 +23,13 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from .axes import param_values
-from .frontier import two_group_tests
+from stppo import param_names as P
+
+from .params import param_column
+from .group_tests import two_group_tests
 from .identical import once
 from .stats import finite_mean, welch_test
 
-LR_PARAM = "trainer.actor_lr"
 KL_MATCH_COLUMNS = (
     "stabiliser", "plain", "lr", "step_kl", "matched_lr", "matched_step_kl", "log_kl_ratio", "matched",
     "collapsed_x", "collapsed_matched", "fisher_p", "success_x", "success_matched", "success_p",
@@ -38,7 +39,7 @@ KL_MATCH_COLUMNS = (
 
 def with_lr(runs: pd.DataFrame, params: pd.DataFrame) -> pd.DataFrame:
     """`runs` with `lr` (the actor learning rate of each run, from its params)."""
-    return runs.assign(lr=pd.to_numeric(param_values(runs, params, LR_PARAM), errors="coerce").to_numpy())
+    return runs.assign(lr=pd.to_numeric(param_column(runs, params, P.ACTOR_LR)).to_numpy())
 
 
 def group_step_kl(runs: pd.DataFrame) -> float:

@@ -25,6 +25,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stppo import param_names as P
 from stppo.cache import cache_dir, content_hash
 from stppo.diagnostics import CollapseConfig, SampledCollapseConfig
 
@@ -37,7 +38,7 @@ TIDY_COLUMNS: tuple[str, ...] = (*ID_COLUMNS, "step", "metric", "value")
 # live rule's fields, the sampled rule's under `trainer.collapse.sampled.`; runs from before the
 # live checks (studies v2, v3) have no `rule` and the sampled rule's fields directly under
 # `trainer.collapse.` (their `ema` tells them apart).
-COLLAPSE_PREFIX = "trainer.collapse."
+COLLAPSE_PREFIX = P.COLLAPSE
 LIVE_FIELDS: tuple[str, ...] = ("every", "questions", "drop", "min_peak", "patience", "nonfinite_patience")
 SAMPLED_FIELDS: tuple[str, ...] = tuple(SampledCollapseConfig.__dataclass_fields__)
 INT_FIELDS = ("every", "questions", "patience", "nonfinite_patience")

@@ -29,7 +29,7 @@ PRESETS = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo")
 
 def build_store(runs: int, steps: int, extra: int) -> str:
     """The benchmark store (built once per spec, then reused)."""
-    from analysis.synthetic import write_demo_study
+    from analysis.fixtures.runs import write_demo_study
 
     root = cache_dir("bench_analysis", content_hash("v1", runs, steps, extra))
     uri = f"sqlite:///{root / 'mlflow.db'}"

@@ -9,7 +9,7 @@ sampled (every turn); prompt, observation and padding positions are False and ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,6 +18,7 @@ PER_TOKEN = (
     "stale_log_probs", "old_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns",
     "rollout_is_weights", "segment_ids",
 )
+PAD = {"attention_mask": False, "loss_mask": False, "turn_ids": -1}  # else 0 (input_ids: the pad id)
 PER_TRAJECTORY = (
     "group_ids", "scores", "num_turns", "num_searches", "num_valid", "num_invalid",
     "finished", "truncated", "response_length", "rollout_lags",
@@ -82,3 +83,44 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         return replace(self, **{f.name: getattr(self, f.name).to(device)
                                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def rows(batch: Batch, index: torch.Tensor) -> Batch:
+    """`batch.select(index)` with the per-row lists of `meta` selected too."""
+    out = batch.select(index)
+    idx = torch.arange(len(batch))[index].tolist()
+    meta = {k: [v[i] for i in idx] if isinstance(v, list) and len(v) == len(batch) else v
+            for k, v in batch.meta.items()}
+    return replace(out, meta=meta)
+
+
+def concat_batches(parts: Sequence[Batch], pad_id: int) -> Batch:
+    """Rows of `parts` in order, right-padded to the longest; group ids renumbered so that groups
+    of different parts never merge. Per-token fields must be set in all parts or in none."""
+    parts = [p for p in parts if len(p) > 0]
+    if len(parts) == 1:
+        return parts[0]
+    t = max(p.input_ids.shape[1] for p in parts)
+    out, offset, gids = {}, 0, []
+    for p in parts:
+        gids.append(p.group_ids + offset)
+        offset += int(p.group_ids.max()) + 1
+    for f in fields(Batch):
+        xs = [getattr(p, f.name) for p in parts]
+        if f.name == "group_ids":
+            out[f.name] = torch.cat(gids)
+        elif f.name == "meta":  # per-row lists are joined; anything else is the first part's
+            out[f.name] = {k: sum((p.meta[k] for p in parts), []) if all(
+                isinstance(p.meta.get(k), list) for p in parts) else v
+                for k, v in parts[0].meta.items()}
+        elif all(x is None for x in xs):
+            out[f.name] = None
+        elif any(x is None for x in xs):
+            raise ValueError(f"concat_batches: Batch.{f.name} is set in some parts only")
+        elif f.name in PER_TOKEN:
+            fill = pad_id if f.name == "input_ids" else PAD.get(f.name, 0)
+            out[f.name] = torch.cat([torch.nn.functional.pad(x, (0, t - x.shape[1]), value=fill)
+                                     for x in xs])
+        else:
+            out[f.name] = torch.cat(xs)
+    return Batch(**out)

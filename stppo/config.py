@@ -41,8 +41,9 @@ def delimiter_chars(delimiters: str) -> str:
 
 
 @dataclass
-class CorrectionConfig:
-    """The correction of the loss (stppo.algos.clip_bias); null fields: the preset's."""
+class ClipBiasConfig:
+    """The clip-bias scale λ of the loss (S-, ST-, SO-PPO; stppo.algos.clip_bias); null fields:
+    the preset's."""
     kind: Optional[str] = None  # none | clip_bias_norm | clip_triggered
     tau: Optional[float] = None  # None: the preset's, else the kind's default (DEFAULT_TAU)
     estimator: str = "token"  # token | grad
@@ -105,12 +106,14 @@ class OverlongConfig:
 
 @dataclass
 class AlgoConfig:
-    """The run's loss: a preset (stppo.algos.PRESETS, named by conf/algo/<name>.yaml) or a
-    researcher's own (a preset file with `loss: module:function`, stppo.algos.plugins), with the
-    run's overrides. Loss fields left null take the preset's value; `spec` is the one validated
+    """The run's loss: a preset (stppo.algos.PRESETS, named by conf/algo/<name>.yaml) — a built-in
+    one or a researcher's, registered by their package (stppo.plugins) — with the run's
+    overrides. Loss fields left null take the preset's value; `spec` is the one validated
     `LossSpec` that the trainer, data parallelism and the verl backend read."""
     name: str = MISSING  # preset name
-    loss: Optional[str] = None  # a researcher's stabiliser: 'module.path:function' (its own preset)
+    # the module that registers the preset, for a package that is not installed (a plain folder on
+    # hydra.searchpath); installed packages are found by their entry point (stppo.plugins)
+    plugin: Optional[str] = None
     ratio_level: Optional[str] = None
     advantage: Optional[str] = None
     use_critic: Optional[bool] = None
@@ -118,10 +121,10 @@ class AlgoConfig:
     clip_low: Optional[float] = None
     clip_high: Optional[float] = None
     dual_clip: Optional[float] = None
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    clip_bias: ClipBiasConfig = field(default_factory=ClipBiasConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     gamma: float = 1.0  # discount
-    gae_lambda: float = 1.0  # GAE's λ (the correction's scale is another λ: clip_bias/scale)
+    gae_lambda: float = 1.0  # GAE's λ (the clip-bias scale is another λ: clip_bias/scale)
     whiten_advantages: bool = True
     grpo_eps: float = 1e-6
     entropy_coef: float = 0.0
@@ -139,7 +142,7 @@ class AlgoConfig:
     subsentence_delimiters: str = DEFAULT_SUBSENTENCE_DELIMITERS
 
     def __post_init__(self) -> None:
-        for sub, cls in (("correction", CorrectionConfig), ("kl", KLConfig),
+        for sub, cls in (("clip_bias", ClipBiasConfig), ("kl", KLConfig),
                          ("dynamic_sampling", DynamicSamplingConfig),
                          ("rollout_correction_options", RolloutCorrectionOptions),
                          ("overlong", OverlongConfig)):
@@ -161,46 +164,42 @@ class AlgoConfig:
 def resolve_loss(a: AlgoConfig):
     """Fill the null loss fields of `a` from its preset (the config then records the values
     that ran) and build its `LossSpec` — the one place a loss setting is validated."""
-    from stppo.algos import PRESETS, Correction, LossSpec, RolloutCorrection
-    from stppo.algos.plugins import register_stabiliser
+    from stppo.algos import PRESETS, ClipBias, LossSpec, RolloutCorrection
+    from stppo.plugins import import_plugin, load_plugins
 
-    if a.loss is not None:  # a researcher's preset: its file holds every field it fixes
-        _check(a.name not in PRESETS, f"algo.name={a.name!r} is a built-in preset; a preset file "
-               "with algo.loss needs a name of its own")
-        register_stabiliser(a.name, a.loss)
-        base = LossSpec(name=a.name, loss_mode=a.name)
-        ds = ov = False
-    else:
-        _one_of("algo.name", a.name, tuple(PRESETS))
-        p = PRESETS[a.name]
-        base, ds, ov = p.spec(), p.dynamic_sampling, p.overlong
-    c = a.correction
+    load_plugins()
+    if a.plugin is not None:
+        import_plugin(a.plugin, f"algo.plugin={a.plugin!r}")
+    _one_of("algo.name", a.name, tuple(PRESETS))
+    p = PRESETS[a.name]
+    base, ds, ov = p.spec(), p.dynamic_sampling, p.overlong
+    c = a.clip_bias
     if c.kind is not None:
-        from stppo.algos import CORRECTIONS
+        from stppo.algos import CLIP_BIAS_KINDS
 
-        _one_of("algo.correction.kind", c.kind, tuple(CORRECTIONS))
+        _one_of("algo.clip_bias.kind", c.kind, tuple(CLIP_BIAS_KINDS))
     for name in ("ratio_level", "advantage", "use_critic", "loss_agg", "clip_low", "clip_high",
-                 "loss_mode"):
+                 "dual_clip", "loss_mode"):
         if getattr(a, name) is None:
             setattr(a, name, getattr(base, name))
     if c.kind is None:
-        c.kind = base.correction_kind
+        c.kind = base.clip_bias_kind
     if c.tau is None and c.kind != "none":
-        same = base.correction is not None and base.correction.kind == c.kind
-        c.tau = base.correction.tau if same else None
+        same = base.clip_bias is not None and base.clip_bias.kind == c.kind
+        c.tau = base.clip_bias.tau if same else None
     a.loss_options = {**(base.options if a.loss_mode == base.loss_mode else {}), **dict(a.loss_options)}
     if a.dynamic_sampling.enabled is None:
         a.dynamic_sampling.enabled = ds
     if a.overlong.enabled is None:
         a.overlong.enabled = ov
     try:
-        correction = Correction(c.kind, c.tau, c.estimator, c.granularity)
+        clip_bias = ClipBias(c.kind, c.tau, c.estimator, c.granularity)
     except ValueError as e:
         raise ValueError(f"algo.{e}") from None
-    c.tau = correction.tau
+    c.tau = clip_bias.tau
     spec = LossSpec(name=a.name, ratio_level=a.ratio_level, clip_low=a.clip_low,
                     clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
-                    correction=correction, loss_mode=a.loss_mode, options=a.loss_options,
+                    clip_bias=clip_bias, loss_mode=a.loss_mode, options=a.loss_options,
                     rollout_correction=RolloutCorrection(a.rollout_correction, {
                         k: v for k, v in asdict(a.rollout_correction_options).items() if v is not None}),
                     advantage=a.advantage, use_critic=a.use_critic)
@@ -502,6 +501,36 @@ class Config:
     def __post_init__(self) -> None:
         _check_baselines(self)
         _check_on_alarm(self)
+
+
+# Settings that do not change what a run computes, left out of its identity: how it resumes and
+# shows progress, where it is tracked; the verl launcher's own process knobs.
+_NOT_IDENTITY = {"trainer": ("resume", "progress"),
+                 "backend_verl": ("dry_run", "poll_s", "stop_grace_s", "python")}
+
+
+def run_identity(cfg: "Config") -> str:
+    """The name of a run's job folder (`trainer.out_dir/<experiment>/<name>`: its checkpoints),
+    for both backends: `<algo>-<model>-<task>-seed<seed>[-verl]-<hash of its settings>`. Same
+    settings ⇒ same name, so a resumed run finds its checkpoints. Settings added with a default
+    that changes nothing (on-policy `trainer.offpolicy`, verl's unset `rollout_gpus_per_node`)
+    are left out, so earlier runs keep their folders."""
+    from stppo.cache import content_hash
+
+    d = asdict(cfg)
+    for k in _NOT_IDENTITY["trainer"]:
+        d["trainer"].pop(k)
+    d.pop("tracking")
+    if d["trainer"]["offpolicy"] == asdict(OffPolicyConfig()):
+        d["trainer"].pop("offpolicy")
+    tag = ""
+    if cfg.backend.name == "verl":
+        for k in _NOT_IDENTITY["backend_verl"]:
+            d["backend"].pop(k)
+        if d["backend"]["rollout_gpus_per_node"] is None:
+            d["backend"].pop("rollout_gpus_per_node")
+        tag = "-verl"
+    return f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}{tag}-{content_hash(d, length=8)}"
 
 
 def _check_baselines(cfg: "Config") -> None:

@@ -30,7 +30,7 @@ RATIO_MEAN = "actor/ratio_mean"
 RATIO_MAX = "actor/ratio_max"
 SKIPPED_STEPS = "actor/skipped_steps"
 
-# --- clipping bias (the paper's diagnostic and its corrections) -------------------------------
+# --- clipping bias (the paper's diagnostic and its scale) -------------------------------
 CLIP_BIAS_NORM = "clip_bias/norm"
 CLIP_BIAS_NORM_MAX = "clip_bias/norm_max"
 CLIP_BIAS_GRAD_NORM = "clip_bias/grad_norm"

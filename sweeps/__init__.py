@@ -1,4 +1,4 @@
-"""Optuna studies over stppo runs (docs/usage.md, "Optuna sweeps": clip ranges, correction τ).
+"""Optuna studies over stppo runs (docs/usage.md, "Optuna sweeps": clip ranges, the clip-bias scale's τ).
 
     python run.py -m +sweep=clip_range algo=st_ppo              # one study per preset
     python run.py -m +sweep=clip_range algo=ppo hydra.sweeper.n_trials=40 +experiment=quick

@@ -10,7 +10,7 @@ samplers and storage) with three changes (see `sweeps.study`):
   within `max_failure_rate`;
 - `n_trials` is the study's total, so rerunning a killed study finishes it (trials continue);
 - every trial logs to the study's MLflow experiment, tagged `study`, `trial` (and `sweep`), and
-  the preset's correction τ joins the search space through `correction_params`.
+  the preset's clip-bias τ joins the search space through `clip_bias_params`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class StppoOptunaSweeperConf(OptunaSweeperConf):
     n_trials: int = 20  # the study's total (a rerun finishes a killed study)
     n_jobs: int = 1  # trials per batch (run in parallel by a parallel launcher)
     max_failure_rate: float = 0.5  # stop when more than this fraction of launched trials failed
-    # extra search space by the preset's correction kind, e.g. {clip_bias_norm: {algo.correction.tau: ...}}
-    correction_params: dict[str, dict[str, str]] = field(default_factory=dict)
+    # extra search space by the preset's clip-bias kind, e.g. {clip_bias_norm: {algo.clip_bias.tau: ...}}
+    clip_bias_params: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class StudyFailed(RuntimeError):
@@ -57,11 +57,11 @@ class StudyFailed(RuntimeError):
 
 
 class PruningOptunaSweeperImpl(OptunaSweeperImpl):
-    correction_params: dict[str, dict[str, str]] = {}
+    clip_bias_params: dict[str, dict[str, str]] = {}
 
     def sweep(self, arguments: list[str]) -> None:
         self._process_searchspace_config()
-        params_conf = self._parse_sweeper_params_config() + self._correction_overrides() + list(arguments)
+        params_conf = self._parse_sweeper_params_config() + self._clip_bias_overrides() + list(arguments)
         dists, fixed, fixed_overrides = create_params_from_overrides(params_conf)
         for name in fixed:
             dists.pop(name, None)
@@ -101,15 +101,15 @@ class PruningOptunaSweeperImpl(OptunaSweeperImpl):
                                    f"max_failure_rate={self.max_failure_rate}); last error: {out.error}")
         self._save_results(study)
 
-    def _correction_overrides(self) -> list[str]:
-        """The search space of the run's correction kind: the override's, else the preset's."""
-        kind = OmegaConf.select(self.config, "algo.correction.kind", default=None)
+    def _clip_bias_overrides(self) -> list[str]:
+        """The search space of the run's clip-bias kind: the override's, else the preset's."""
+        kind = OmegaConf.select(self.config, "algo.clip_bias.kind", default=None)
         if kind is None:
             from stppo.algos import PRESETS
 
             name = OmegaConf.select(self.config, "algo.name", default=None)
-            kind = PRESETS[name].correction if name in PRESETS else "none"
-        return [f"{k}={v}" for k, v in (self.correction_params.get(kind) or {}).items()]
+            kind = PRESETS[name].clip_bias if name in PRESETS else "none"
+        return [f"{k}={v}" for k, v in (self.clip_bias_params.get(kind) or {}).items()]
 
     def _trial_overrides(self, study_name: str, number: int) -> tuple[str, ...]:
         return (f"tracking.experiment={study_name}", f"tracking.run_name={study_name}-trial{number}",
@@ -130,14 +130,14 @@ class StppoOptunaSweeper(Sweeper):
 
     def __init__(self, sampler: Any, direction: Any, storage: Any, study_name: str | None, n_trials: int,
                  n_jobs: int, max_failure_rate: float, custom_search_space: str | None,
-                 params: DictConfig | None, correction_params: Any = None) -> None:
+                 params: DictConfig | None, clip_bias_params: Any = None) -> None:
         sampler = instantiate(sampler, _execution_whitelist_=("hydra_plugins.hydra_optuna_sweeper.*",
                                                               "optuna.samplers.*"))
         self.sweeper = PruningOptunaSweeperImpl(sampler, direction, storage, study_name, n_trials, n_jobs,
                                                 max_failure_rate, custom_search_space, params)
-        if OmegaConf.is_config(correction_params):
-            correction_params = OmegaConf.to_container(correction_params)
-        self.sweeper.correction_params = correction_params or {}
+        if OmegaConf.is_config(clip_bias_params):
+            clip_bias_params = OmegaConf.to_container(clip_bias_params)
+        self.sweeper.clip_bias_params = clip_bias_params or {}
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)

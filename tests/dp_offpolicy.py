@@ -74,7 +74,7 @@ def main(out: str) -> None:
             rows = b.rollout_lags == age
             sampler[rows] = lp[rows]
         kept[step] = copy.deepcopy(comps.policy.state_dict())
-        ring = trainer.stale.history.snapshots
+        ring = trainer.sampler.history.snapshots
         record.append({
             "ring": {s: digest(w) for s, w in ring.items()}, "policy": digest(comps.policy.state_dict()),
             "group_lags": b.rollout_lags[::cfg.trainer.group_size].tolist(),

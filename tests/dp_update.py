@@ -43,11 +43,11 @@ ACTOR_LR, CRITIC_LR = 3.0, 1.0  # SGD: large enough that the second epoch is off
 CASES = {
     "ppo": dict(name="ppo", ratio_level="token", advantage="gae", use_critic=True),
     "st_ppo": dict(name="st_ppo", ratio_level="turn", advantage="gae", use_critic=True,
-                   correction={"kind": "clip_bias_norm", "tau": 0.05}),
+                   clip_bias={"kind": "clip_bias_norm", "tau": 0.05}),
     "s_ppo_grad": dict(name="s_ppo", ratio_level="sequence", advantage="gae", use_critic=True,
-                       correction={"kind": "clip_bias_norm", "tau": 1e-4, "estimator": "grad"}),
+                       clip_bias={"kind": "clip_bias_norm", "tau": 1e-4, "estimator": "grad"}),
     "so_grpo": dict(name="so_grpo", ratio_level="sequence", advantage="grpo", use_critic=False,
-                    correction={"kind": "clip_triggered", "tau": 0.1}),
+                    clip_bias={"kind": "clip_triggered", "tau": 0.1}),
     "turn_ppo_kl": dict(name="turn_ppo", ratio_level="turn", advantage="gae", use_critic=True,
                         loss_agg="token-mean", kl={"coef": 0.1}),
     # a researcher's stabiliser (tests/plugin_example): its preset file, a bigger β
@@ -73,17 +73,16 @@ CASES = {
 }
 # The sampler's per-row drift from π_old (a rollout correction's cases): rows 3 and 5 far off
 SAMPLER_DRIFT = (0.0, 0.02, -0.01, 0.5, 0.03, -0.6, 0.0, 0.01)
-PLUGIN_SEARCH_PATH = "hydra.searchpath=[pkg://turn_drift.conf]"
 
 
 def algo_config(case: str) -> AlgoConfig:
     from stppo.config import to_config, compose
-    overrides = [PLUGIN_SEARCH_PATH, f"algo={CASES[case]['name']}"]
+    overrides = [f"algo={CASES[case]['name']}"]
     cfg = to_config(compose(overrides))
     a = cfg.algo
     for k, v in CASES[case].items():
-        if k == "correction":
-            a = replace(a, correction=replace(a.correction, **v))
+        if k == "clip_bias":
+            a = replace(a, clip_bias=replace(a.clip_bias, **v))
         elif k == "kl":
             a = replace(a, kl=replace(a.kl, **v))
         elif k == "rollout_correction_options":

@@ -1,21 +1,21 @@
 """`policy_loss` called with the spec's fields as keywords, as the algorithm tests write their
-cases (`ratio_level=…, clip_low=…, correction={…}`): the fields build a `LossSpec` (name 'test',
+cases (`ratio_level=…, clip_low=…, clip_bias={…}`): the fields build a `LossSpec` (name 'test',
 a critic-free estimator, so any loss mode is allowed), the rest are the call's own keywords
-(`global_denoms`, `reduce`, `params`, `rollout_is_weights`, `correction_grad_norm`)."""
+(`global_denoms`, `reduce`, `params`, `rollout_is_weights`, `clip_bias_grad_norm`)."""
 
 from __future__ import annotations
 
-from stppo.algos import LossSpec, resolve_correction
+from stppo.algos import LossSpec, resolve_clip_bias
 from stppo.algos import policy_loss as _policy_loss
 
-SPEC_FIELDS = ("ratio_level", "clip_low", "clip_high", "dual_clip", "loss_agg", "correction",
+SPEC_FIELDS = ("ratio_level", "clip_low", "clip_high", "dual_clip", "loss_agg", "clip_bias",
                "loss_mode", "options")
 
 
 def spec_of(**fields) -> LossSpec:
-    """A LossSpec from `policy_loss`-style keywords (correction: None, a mapping or Correction)."""
+    """A LossSpec from `policy_loss`-style keywords (clip_bias: None, a mapping or ClipBias)."""
     fields = dict(fields)
-    fields["correction"] = resolve_correction(fields.get("correction"))
+    fields["clip_bias"] = resolve_clip_bias(fields.get("clip_bias"))
     if fields.get("options") is None:
         fields.pop("options", None)
     return LossSpec(name="test", advantage="grpo", use_critic=False, **fields)

@@ -313,7 +313,7 @@ def test_empty_batches_give_zero_loss_and_finite_metrics():
     (dict(loss_mode="sapo", options={"tau_neg": 0.0}), "tau_neg must be > 0"),
     (dict(loss_mode="cispo", ratio_level="turn"), "defined at ratio_level token, got 'turn'"),
     (dict(loss_mode="gmpo"), "defined at ratio_level sequence, got 'token'"),
-    (dict(loss_mode="cispo", correction={"kind": "clip_bias_norm"}), "takes no correction"),
+    (dict(loss_mode="cispo", clip_bias={"kind": "clip_bias_norm"}), "takes no clip-bias scale"),
     (dict(loss_mode="sapo", dual_clip=3.0), "has no dual clip"),
     (dict(loss_mode="bapo", options={"rho0": 1.5}), "rho0 must be in .0, 1."),
     (dict(loss_mode="clip_cov", options={"clip_cov_lb": 6.0}), "clip_cov_lb must be < clip_cov_ub"),
@@ -355,7 +355,7 @@ def test_baseline_presets_match_the_design_table_and_their_conf_files():
         p = PRESETS[name]
         assert (p.ratio_level, p.loss_mode, p.advantage, p.loss_agg, p.clip_low,
                 p.clip_high) == row
-        assert not p.use_critic and p.correction == "none"
+        assert not p.use_critic and p.clip_bias == "none"
         a = to_config(compose([f"algo={name}"])).algo  # the run's config takes the preset's values
         assert a.spec == p.spec() and a.loss_options == dict(p.options)
         assert (a.ratio_level, a.loss_mode, a.advantage, a.loss_agg, a.use_critic, a.clip_low,

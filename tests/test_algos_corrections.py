@@ -1,4 +1,4 @@
-"""Clipping-bias diagnostics and corrections (docs/design.md §2, "Clipping bias", "Correction")."""
+"""Clipping-bias diagnostics and corrections (docs/design.md §2, "Clipping bias", "ClipBias")."""
 
 import math
 from dataclasses import dataclass
@@ -8,8 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from stppo import metric_names as K
-from stppo.algos import (Correction, agg_loss, clip_bias_grad_norm, clip_bias_term,
-                         clipped_surrogate, importance_ratio, resolve_correction,
+from stppo.algos import (ClipBias, agg_loss, clip_bias_grad_norm, clip_bias_term,
+                         clipped_surrogate, importance_ratio, resolve_clip_bias,
                          sequence_clip_bias_norm)
 from keyword_loss import policy_loss
 
@@ -29,7 +29,7 @@ def hand_batch():
 def run(x, correction, lp=None, agg="token-mean", **kw):
     return policy_loss(x["log_probs"] if lp is None else lp, x["old_log_probs"], x["advantages"],
                        x["loss_mask"], x["turn_ids"], ratio_level="token", loss_agg=agg,
-                       correction=correction, **CLIP, **kw)
+                       clip_bias=correction, **CLIP, **kw)
 
 
 def test_clip_bias_norm_batch_scale_hand_computed():
@@ -88,7 +88,7 @@ def test_corrections_at_turn_level_hand_computed():
 
     def turn(correction, agg="token-mean"):
         return policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
-                           x["turn_ids"], ratio_level="turn", loss_agg=agg, correction=correction, **CLIP)
+                           x["turn_ids"], ratio_level="turn", loss_agg=agg, clip_bias=correction, **CLIP)
 
     base, m0 = turn(None)
     assert m0[K.PG_CLIPFRAC_HIGH].item() == pytest.approx(2 / 8)
@@ -115,7 +115,7 @@ def test_no_clipping_means_no_correction(corr, level):
     x = hand_batch()
     x["log_probs"] = x["old_log_probs"] + 0.01  # ρ ≈ 1.01: nothing clipped
     base, _ = policy_loss(*x.values(), ratio_level=level, loss_agg="token-mean", **CLIP)
-    loss, m = policy_loss(*x.values(), ratio_level=level, loss_agg="token-mean", correction=corr,
+    loss, m = policy_loss(*x.values(), ratio_level=level, loss_agg="token-mean", clip_bias=corr,
                           **CLIP)
     assert m[K.PG_CLIPFRAC].item() == 0.0
     assert m[K.CLIP_BIAS_SCALE].item() == 1.0 and m[K.CLIP_BIAS_TRIGGERED].item() == 0.0
@@ -208,22 +208,22 @@ class CorrCfg:
 
 
 def test_resolve_correction_accepts_mappings_dataclasses_and_fills_defaults():
-    assert resolve_correction(None) is None
-    assert resolve_correction({"kind": "none"}) is None
-    c = resolve_correction({"kind": "clip_bias_norm", "tau": 0.3})
-    assert c == Correction("clip_bias_norm", 0.3, "token", "batch")
-    assert resolve_correction(CorrCfg()) == Correction("clip_bias_norm", 0.3, "token", "sequence")
+    assert resolve_clip_bias(None) is None
+    assert resolve_clip_bias({"kind": "none"}) is None
+    c = resolve_clip_bias({"kind": "clip_bias_norm", "tau": 0.3})
+    assert c == ClipBias("clip_bias_norm", 0.3, "token", "batch")
+    assert resolve_clip_bias(CorrCfg()) == ClipBias("clip_bias_norm", 0.3, "token", "sequence")
     cfg = OmegaConf.create({"kind": "clip_triggered", "tau": 2.0})
-    assert resolve_correction(cfg) == Correction("clip_triggered", 2.0)
-    assert resolve_correction({"kind": "clip_bias_norm"}).tau == 0.5  # the kind's default τ
+    assert resolve_clip_bias(cfg) == ClipBias("clip_triggered", 2.0)
+    assert resolve_clip_bias({"kind": "clip_bias_norm"}).tau == 0.5  # the kind's default τ
 
 
 @pytest.mark.parametrize("spec, match", [
     ({"kind": "clipping"}, "valid: none, clip_bias_norm, clip_triggered"),
-    ({"kind": "clip_bias_norm", "tau": 0.0}, "correction.tau must be a number > 0"),
-    ({"kind": "clip_bias_norm", "tau": -1}, "correction.tau"),
-    ({"kind": "clip_bias_norm", "estimator": "exact"}, "correction.estimator='exact'.*token, grad"),
-    ({"kind": "clip_bias_norm", "granularity": "token"}, "correction.granularity"),
+    ({"kind": "clip_bias_norm", "tau": 0.0}, "clip_bias.tau must be a number > 0"),
+    ({"kind": "clip_bias_norm", "tau": -1}, "clip_bias.tau"),
+    ({"kind": "clip_bias_norm", "estimator": "exact"}, "clip_bias.estimator='exact'.*token, grad"),
+    ({"kind": "clip_bias_norm", "granularity": "token"}, "clip_bias.granularity"),
     ({"kind": "clip_bias_norm", "estimator": "grad", "granularity": "sequence"},
      "granularity='batch' only"),
     ({"kind": "clip_triggered", "granularity": "sequence"}, "allowed: batch"),
@@ -232,4 +232,4 @@ def test_resolve_correction_accepts_mappings_dataclasses_and_fills_defaults():
 ])
 def test_invalid_corrections_are_one_line_errors(spec, match):
     with pytest.raises(ValueError, match=match):
-        resolve_correction(spec)
+        resolve_clip_bias(spec)

@@ -69,14 +69,14 @@ def test_ratio_one_gives_minus_agg_of_advantages(level, agg):
     assert m[K.PG_CLIPFRAC].item() == 0.0 and m[K.CLIP_BIAS_NORM].item() == 0.0
 
 
-CORRECTIONS = (None, {"kind": "clip_bias_norm", "tau": 0.05},
+CLIP_BIAS_KINDS = (None, {"kind": "clip_bias_norm", "tau": 0.05},
                {"kind": "clip_bias_norm", "tau": 0.05, "granularity": "sequence"},
                {"kind": "clip_triggered", "tau": 0.5})
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("corr", CORRECTIONS)
+@pytest.mark.parametrize("corr", CLIP_BIAS_KINDS)
 def test_garbage_on_masked_positions_changes_neither_loss_nor_gradient(level, agg, corr):
     x = make_inputs(4, 12, seed=2, spread=0.6)
     mask = x["loss_mask"]
@@ -89,7 +89,7 @@ def test_garbage_on_masked_positions_changes_neither_loss_nor_gradient(level, ag
             y["turn_ids"] = torch.where(mask, x["turn_ids"], 7)
         lp = (with_garbage(x["log_probs"], mask) if garbage else x["log_probs"].clone())
         lp.requires_grad_(True)
-        loss, m = run(y, lp=lp, ratio_level=level, loss_agg=agg, correction=corr)
+        loss, m = run(y, lp=lp, ratio_level=level, loss_agg=agg, clip_bias=corr)
         loss.backward()
         out.append((loss, m, lp.grad))
     (l0, m0, g0), (l1, m1, g1) = out
@@ -193,10 +193,10 @@ def test_half_batches_with_global_denominators_sum_to_whole_batch(level, agg):
 def test_batches_without_agent_tokens_give_zero_loss_and_finite_metrics(level, shape):
     lp = torch.randn(*shape).requires_grad_(True)
     mask = torch.zeros(*shape, dtype=torch.bool)
-    for corr in CORRECTIONS:
+    for corr in CLIP_BIAS_KINDS:
         loss, m = policy_loss(lp, with_garbage(lp.detach(), mask), lp.detach(), mask,
                               torch.full(shape, -1), ratio_level=level, loss_agg="token-mean",
-                              correction=corr, **CLIP)
+                              clip_bias=corr, **CLIP)
         loss.backward()
         assert loss.item() == 0.0 and (lp.grad == 0).all()
         assert all(torch.isfinite(v) for v in m.values())
@@ -223,5 +223,5 @@ def test_invalid_tensors_name_the_tensor():
         run({**x, "loss_mask": x["loss_mask"].float()})
     with pytest.raises(ValueError, match="turn_ids must be an integer tensor"):
         run({**x, "turn_ids": x["turn_ids"].float()})
-    with pytest.raises(ValueError, match="unknown correction.kind 'foo'; valid: none, clip_bias"):
-        run(x, correction={"kind": "foo", "tau": 1.0})
+    with pytest.raises(ValueError, match="unknown clip_bias.kind 'foo'; valid: none, clip_bias_norm, clip_triggered"):
+        run(x, clip_bias={"kind": "foo", "tau": 1.0})

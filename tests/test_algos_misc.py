@@ -131,10 +131,10 @@ def test_presets_match_the_design_table():
     assert list(PRESETS)[:len(table)] == list(table)  # then the baselines (test_algos_baselines)
     for name, row in table.items():
         p = PRESETS[name]
-        assert (p.ratio_level, p.correction, p.advantage, p.use_critic) == row
+        assert (p.ratio_level, p.clip_bias, p.advantage, p.use_critic) == row
         assert p.loss_agg == "seq-mean-token-mean"
-        assert (p.tau is None) == (p.correction == "none")
-        assert (p.spec().correction is None) == (p.correction == "none")
+        assert (p.tau is None) == (p.clip_bias == "none")
+        assert (p.spec().clip_bias is None) == (p.clip_bias == "none")
     assert PRESETS["st_ppo"].tau == 0.5 and PRESETS["so_grpo"].tau == 2.0
     with pytest.raises(FrozenInstanceError):
         PRESETS["ppo"].ratio_level = "turn"
@@ -172,7 +172,9 @@ def test_every_preset_is_defined_once():
 
     from stppo.config import CONF_DIR
 
+    from stppo.algos.presets import BUILT_IN
+
     files = sorted((CONF_DIR / "algo").glob("*.yaml"))
-    assert sorted(f.stem for f in files) == sorted(PRESETS)
+    assert sorted(f.stem for f in files) == sorted(BUILT_IN) and set(BUILT_IN) <= set(PRESETS)
     for f in files:
         assert OmegaConf.to_container(OmegaConf.load(f)) == {"name": f.stem}, f.name

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stppo import metric_names as K
-from stppo.algos import LossSpec, RolloutCorrection, is_weights, policy_loss, rejection_mask, reinforce_loss
+from stppo.algos import LossInputs, LossSpec, RolloutCorrection, is_weights, policy_loss, rejection_mask, reinforce_loss
 from stppo.algos.rollout_corr import ROLLOUT_CORRECTIONS, rollout_correction
 from stppo.config import compose, to_config
 
@@ -151,6 +151,12 @@ def test_rollout_correction_applies_weights_and_rejection_of_its_fields():
     assert c.weights is None and torch.equal(c.loss_mask, m) and c.metrics == {}
 
 
+def reinforce(lp, rollout_lp, adv, mask, loss_agg, weights):
+    """verl's REINFORCE loss through the loss contract: (inputs, spec) with clip 0.2/0.2."""
+    x = LossInputs(lp, rollout_lp, adv, mask, torch.where(mask, 0, -1), rollout_is_weights=weights)
+    return reinforce_loss(x, LossSpec(name="test", loss_agg=loss_agg, advantage="grpo", use_critic=False))
+
+
 def test_reinforce_loss_by_hand_and_gradcheck():
     g = torch.Generator().manual_seed(0)
     r_lp = -torch.rand(3, 5, generator=g, dtype=torch.float64)
@@ -158,8 +164,7 @@ def test_reinforce_loss_by_hand_and_gradcheck():
     lp = (r_lp + 0.1 * torch.randn(3, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
     adv = torch.randn(3, 5, generator=g, dtype=torch.float64)
     w = torch.rand(3, 5, generator=g, dtype=torch.float64) + 0.5
-    loss, mt = reinforce_loss(lp, r_lp, adv, m, None, clip_low=0.2, clip_high=0.2,
-                              loss_agg="token-mean", rollout_is_weights=w)
+    loss, mt = reinforce(lp, r_lp, adv, m, "token-mean", w)
     want = -(w * adv * lp.detach())[m].sum() / m.sum()  # s = −ω A log π, token-mean
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-12)
     (grad,) = torch.autograd.grad(loss, lp)
@@ -167,12 +172,10 @@ def test_reinforce_loss_by_hand_and_gradcheck():
     assert f(mt[K.PPO_KL]) == pytest.approx(float(-(lp.detach() - r_lp)[m].mean()))
     rho = (lp.detach() - r_lp).exp()
     assert f(mt[K.CLIP_BIAS_NORM]) == pytest.approx(float((((rho - w) * adv)[m] ** 2).mean().sqrt()))
-    assert torch.autograd.gradcheck(lambda x: reinforce_loss(
-        x, r_lp, adv, m, None, clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean",
-        rollout_is_weights=w)[0], (lp.detach().clone().requires_grad_(True),))
+    assert torch.autograd.gradcheck(lambda x: reinforce(x, r_lp, adv, m, "seq-mean-token-mean", w)[0],
+                                    (lp.detach().clone().requires_grad_(True),))
     garbage = torch.where(m, lp.detach(), torch.tensor(NAN, dtype=torch.float64))
-    a, _ = reinforce_loss(garbage, r_lp, adv, m, None, clip_low=0.2, clip_high=0.2,
-                          loss_agg="token-mean", rollout_is_weights=w)
+    a, _ = reinforce(garbage, r_lp, adv, m, "token-mean", w)
     assert float(a) == pytest.approx(float(want), rel=1e-12)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from stppo import metric_names as K
-from stppo.algos import (Correction, agg_weights, clip_bias_term, clipped_surrogate,
-                         importance_ratio, log_ratio, resolve_correction, turn_ratio)
+from stppo.algos import (ClipBias, agg_weights, clip_bias_term, clipped_surrogate,
+                         importance_ratio, log_ratio, resolve_clip_bias, turn_ratio)
 from stppo.algos.aggregation import agg_denoms, agg_row_weights, mask_float
 from stppo.algos.ratios import clamped_log_ratio
 from stppo.algos.segments import INTERLEAVE, TurnRatio, TurnSegments
@@ -188,7 +188,7 @@ def test_grad_estimator_at_turn_level_uses_the_turn_ratio():
     base_grads = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
     corr = {"kind": "clip_bias_norm", "tau": g_ref / 4, "estimator": "grad"}
-    loss, m = run(x, lp=log_probs(), loss_agg=agg, correction=corr, params=net.parameters())
+    loss, m = run(x, lp=log_probs(), loss_agg=agg, clip_bias=corr, params=net.parameters())
     assert m[K.CLIP_BIAS_GRAD_NORM].item() == pytest.approx(g_ref)
     assert m[K.CLIP_BIAS_SCALE].item() == pytest.approx(0.25)
     assert loss.item() == pytest.approx(base.item() / 4)
@@ -198,13 +198,13 @@ def test_grad_estimator_at_turn_level_uses_the_turn_ratio():
 
 
 def test_resolved_corrections_are_cached_but_still_validated():
-    a = resolve_correction({"kind": "clip_bias_norm", "tau": 0.3})
-    assert a is resolve_correction({"kind": "clip_bias_norm", "tau": 0.3})
-    assert a == Correction("clip_bias_norm", 0.3)
-    assert resolve_correction({"kind": "clip_bias_norm", "tau": 1}).tau == 1
-    with pytest.raises(ValueError, match="correction.tau must be a number > 0, got True"):
-        resolve_correction({"kind": "clip_bias_norm", "tau": True})
-    with pytest.raises(ValueError, match="correction.tau must be a number > 0"):
-        resolve_correction({"kind": "clip_bias_norm", "tau": [0.3]})  # unhashable: uncached
-    with pytest.raises(ValueError, match="correction.tau"):
-        resolve_correction({"kind": "clip_bias_norm", "tau": -1.0})
+    a = resolve_clip_bias({"kind": "clip_bias_norm", "tau": 0.3})
+    assert a is resolve_clip_bias({"kind": "clip_bias_norm", "tau": 0.3})
+    assert a == ClipBias("clip_bias_norm", 0.3)
+    assert resolve_clip_bias({"kind": "clip_bias_norm", "tau": 1}).tau == 1
+    with pytest.raises(ValueError, match="clip_bias.tau must be a number > 0, got True"):
+        resolve_clip_bias({"kind": "clip_bias_norm", "tau": True})
+    with pytest.raises(ValueError, match="clip_bias.tau must be a number > 0"):
+        resolve_clip_bias({"kind": "clip_bias_norm", "tau": [0.3]})  # unhashable: uncached
+    with pytest.raises(ValueError, match="clip_bias.tau"):
+        resolve_clip_bias({"kind": "clip_bias_norm", "tau": -1.0})

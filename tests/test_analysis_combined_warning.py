@@ -1,4 +1,4 @@
-"""The combined early warning (analysis.combined_warning): its model, threshold, labels and the
+"""The combined early warning (analysis.studies.combined_warning): its model, threshold, labels and the
 preset-grouped cross-validation, on hand-made data."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.combined_warning import (BEST_SINGLE, COMBINED, Settings, cross_validate, false_alarm_threshold,
+from analysis.studies.combined_warning import (BEST_SINGLE, COMBINED, Settings, cross_validate, false_alarm_threshold,
                                        feature_frame, fit_logistic, main, run_balanced_weights, run_outcomes,
                                        step_labels, summary_table)
 

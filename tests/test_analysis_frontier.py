@@ -1,4 +1,4 @@
-"""analysis.frontier: Wilson intervals, Holm's adjustment, the cell and pairwise tables and the
+"""analysis.studies.frontier: Wilson intervals, Holm's adjustment, the cell and pairwise tables and the
 frontier figure on a constructed per-run table."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from test_analysis_fixtures import SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
 
-from analysis.frontier import (cell_table, fig_frontier, holm, level_labels, level_order, pairwise_table,
-                               wilson_interval)
+from analysis.group_tests import holm
+from analysis.studies.frontier import (cell_table, fig_frontier, level_labels, level_order, pairwise_table,
+                                       wilson_interval)
 
 
 def test_wilson_interval_hand_values():
@@ -94,7 +95,7 @@ def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workben
                                                                          capsys):
     from analysis import load_study
     from analysis.export import export_study
-    from analysis.frontier import main
+    from analysis.studies.frontier import main
 
     monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
     export_study(load_study(SIGNAL, workbench_uri), tmp_path / "part")
@@ -119,7 +120,7 @@ def test_cli_on_an_exported_study_writes_the_frontier_and_warning_tables(workben
 
 
 def test_contrast_table_pools_the_groups_and_adjusts_over_the_table():
-    from analysis.frontier import contrast_table
+    from analysis.studies.frontier import contrast_table
 
     rows = []
     for algo, collapsed in [("ppo", [1, 1, 1]), ("s_ppo", [1, 1, 0]), ("grpo", [0, 0, 0]), ("dapo", [0, 0, 1])]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from analysis.frontier import two_group_tests
+from analysis.group_tests import two_group_tests
 from analysis.identical import apart, merged_units, once, unit_column
 from analysis.load import load_study
-from analysis.synthetic import synthetic_series, write_run
+from analysis.fixtures.runs import synthetic_series, write_run
 from analysis.tables import per_run_table
 from stppo import metric_names as T
 

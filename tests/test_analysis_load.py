@@ -172,7 +172,7 @@ def test_unreachable_server_is_one_clear_line(cache_tmp):
 
 
 def test_analysis_and_dashboard_do_not_import_torch():
-    code = ("import sys, analysis, analysis.report, analysis.sweeps, analysis.synthetic, dashboard.common; "
+    code = ("import sys, analysis, analysis.report, analysis.sweeps, analysis.fixtures.runs, dashboard.common; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

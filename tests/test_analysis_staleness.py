@@ -1,7 +1,7 @@
 """The staleness axis of the stability frontier: the runs' lag, lag mode and rollout correction read
 from their params (`analysis.axes`), cells and tests per lag on hand-made tables, and the lag and
 level × lag frontiers (tables, figures, early warning per lag) on a real MLflow store of synthetic
-stale runs with known collapse counts (`analysis.synthetic_stale`)."""
+stale runs with known collapse counts (`analysis.fixtures.stale_runs`)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,23 @@ from test_analysis_fixtures import STALE, STALE_B, stale_b_cells, workbench_uri 
 
 from analysis import load_study
 from analysis.axes import base_preset, preset_label, split_label, with_axes
-from analysis.frontier import build_frontier, cell_table, contrast_table, main, pairwise_table
+from analysis.studies.frontier import build_frontier, cell_table, contrast_table, main, pairwise_table
 from analysis.figures import TURN_MISMATCH
-from analysis.synthetic import turn_metric
-from analysis.synthetic_stale import STALE_CELLS
+from analysis.fixtures.runs import turn_metric
+from analysis.fixtures.stale_runs import STALE_CELLS
 from stppo import metric_names as T
 
 
 def test_axes_from_params_with_defaults_for_older_runs():
     runs = pd.DataFrame({"run_id": ["a", "b", "c", "d"], "algo": ["ppo", "grpo", "grpo", "ppo"],
                          "experiment": ["x", "x", "x", "critic_ws_l2"]})
-    params = pd.DataFrame({"run_id": ["b", "b", "b", "c", "c", "a", "d"],
+    params = pd.DataFrame({"run_id": ["b", "b", "b", "c", "c", "c", "a", "d"],
                            "key": ["trainer.offpolicy.lag", "trainer.offpolicy.lag_mode", "algo.rollout_correction",
-                                   "trainer.offpolicy.lag", "algo.rollout_correction", "trainer.critic_warmstart.enabled",
-                                   "trainer.critic_warmstart.enabled"],
-                           "value": ["4", "uniform", "decoupled_geo_rs", "2", "none", "True", "False"]})
+                                   "trainer.offpolicy.lag", "trainer.offpolicy.lag_mode", "algo.rollout_correction",
+                                   "trainer.critic_warmstart.enabled", "trainer.critic_warmstart.enabled"],
+                           "value": ["4", "uniform", "decoupled_geo_rs", "2", "fixed", "none", "True", "False"]})
     out = with_axes(runs, params).set_index("run_id")
-    assert out["lag"].tolist() == [0, 4, 2, 0]  # a and d logged no lag: lag 0
+    assert out["lag"].tolist() == [0, 4, 2, 0]  # a and d predate trainer.offpolicy: lag 0
     assert out["lag_mode"].tolist() == ["fixed", "uniform", "fixed", "fixed"]
     assert out["correction"].tolist() == ["none", "decoupled_geo_rs", "none", "none"]
     assert out["algo"].tolist() == ["ppo", "grpo+decoupled_geo_rs", "grpo", "ppo"]
@@ -84,7 +84,7 @@ def test_cells_tests_and_contrasts_per_lag():
 
 
 def test_critic_table_by_lag_compares_warm_and_cold_runs_of_a_cell():
-    from analysis.critic import critic_table_by
+    from analysis.studies.critic_warmstart import critic_table_by
     from analysis.load import Study
 
     runs = pd.DataFrame({"run_id": list("abcd"), "experiment": ["e"] * 4, "algo": ["ppo"] * 4, "lag": [2] * 4,
@@ -134,7 +134,7 @@ def test_lag_frontier_has_the_known_collapse_counts(stale):
 
 
 def test_level_by_lag_frontier_and_grid_figure(stale):
-    from analysis.frontier import frontier_figure
+    from analysis.studies.frontier import frontier_figure
 
     front = build_frontier(stale, axis="both", prefix="stale_")
     assert front.levels == [STALE, STALE_B]

@@ -1,4 +1,4 @@
-"""Study v3's tables (analysis.staleness*): the parts and machines read from the runs, the
+"""Study v3's tables (analysis.studies.staleness*): the parts and machines read from the runs, the
 pre-specified contrasts C1–C8 on a hand-made per-run table with known counts, and the command
 on parquet folders exported from a real MLflow store of synthetic stale runs."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.frontier import holm
-from analysis.staleness_contrasts import CONTRASTS, contrast_table
-from analysis.staleness_runs import L1F, L2, SIZE_GPU, machine_column, part_column
+from analysis.group_tests import holm
+from analysis.studies.staleness_contrasts import CONTRASTS, contrast_table
+from analysis.studies.staleness_runs import L1F, L2, SIZE_GPU, machine_column, part_column
 
 
 def fisher_two_sided(ka: int, na: int, kb: int, nb: int) -> float:
@@ -130,8 +130,9 @@ def test_parts_and_machines_from_the_runs():
     runs = pd.DataFrame({"run_id": list("abcdefg"),
                          "experiment": [L1F, L1F, L1F, L2, L2, SIZE_GPU, "staleness_pilot"],
                          "model": ["tiny", "small", "tiny", "tiny", "tiny", "tiny", "tiny"]})
-    params = pd.DataFrame({"run_id": ["c", "d", "a"], "value": ["cuda:0", "2", "auto"],
-                           "key": ["trainer.device", "trainer.offpolicy.lag", "trainer.device"]})
+    devices = {"a": "auto", "b": "cpu", "c": "cuda:0", "d": "auto", "e": "auto", "f": "auto", "g": "auto"}
+    params = pd.DataFrame({"run_id": ["d", *devices], "value": ["2", *devices.values()],
+                           "key": ["trainer.offpolicy.lag", *["trainer.device"] * len(devices)]})
     runs["machine"] = machine_column(runs, params).to_numpy()
     assert runs["machine"].tolist() == ["cpu", "cpu", "gpu", "cpu", "cpu", "gpu", "cpu"]
     # e: a study-v2 run of frontier_l2 (no lag param): no part; c: tiny on a GPU: part 3
@@ -140,7 +141,7 @@ def test_parts_and_machines_from_the_runs():
 
 # --- the command on folders exported from a real MLflow store ------------------------------------------
 def _store_cells():
-    from analysis.synthetic_stale import StaleCell as C
+    from analysis.fixtures.stale_runs import StaleCell as C
 
     part1 = (C("ppo", 0, 2, 0), C("ppo", 2, 2, 2), C("s_ppo", 2, 2, 1), C("grpo", 2, 2, 1),
              C("grpo", 2, 2, 0, correction="decoupled_geo_rs"), C("ppo", 4, 2, 2),
@@ -155,7 +156,7 @@ def exported(tmp_path_factory):
     """One exported folder per experiment of `_store_cells`, from a real MLflow store."""
     from analysis import load_study
     from analysis.export import export_study
-    from analysis.synthetic_stale import write_stale_study
+    from analysis.fixtures.stale_runs import write_stale_study
 
     root = tmp_path_factory.mktemp("v3_store")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -170,7 +171,7 @@ def exported(tmp_path_factory):
 
 
 def test_cli_writes_cells_contrasts_and_figures(exported, tmp_path, capsys):
-    from analysis.staleness import main
+    from analysis.studies.staleness import main
 
     out = tmp_path / "v3"
     assert main(["--data", *map(str, exported.values()), "--out", str(out), "--n-boot", "500"]) == 0
@@ -199,7 +200,7 @@ def test_cli_writes_cells_contrasts_and_figures(exported, tmp_path, capsys):
 
 
 def test_cli_names_a_missing_part_and_rejects_bad_input(exported, tmp_path, capsys):
-    from analysis.staleness import main
+    from analysis.studies.staleness import main
 
     out = tmp_path / "p1"
     assert main(["--data", str(exported[L1F]), "--out", str(out), "--n-boot", "200"]) == 0
@@ -219,8 +220,8 @@ def test_a_seed_run_twice_counts_once(tmp_path, capsys, monkeypatch):
     first run of each seed is kept, and the command says how many it left out."""
     from analysis import load_study
     from analysis.export import export_study
-    from analysis.staleness import main
-    from analysis.synthetic_stale import StaleCell as C, write_stale_study
+    from analysis.studies.staleness import main
+    from analysis.fixtures.stale_runs import StaleCell as C, write_stale_study
 
     monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,4 +1,4 @@
-"""The testbed's calibration table (analysis.testbed): the paper's shape read from the live checks,
+"""The testbed's calibration table (analysis.studies.testbed): the paper's shape read from the live checks,
 the targets checked on the rows, and a calibration spread over two stores with unfinished runs
 left out."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.synthetic import write_run
-from analysis.testbed import calibration_table, live_shape, main, targets
+from analysis.fixtures.runs import write_run
+from analysis.studies.testbed import calibration_table, live_shape, main, targets
 from stppo import metric_names as T
 
 
@@ -94,4 +94,4 @@ def test_no_finished_runs_is_one_error_line(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path}/empty.db"
     assert main(["--tracking-uri", uri, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m analysis.testbed: error:") and err.count("\n") == 1
+    assert err.startswith("python -m analysis.studies.testbed: error:") and err.count("\n") == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stppo.algos import PRESETS, Correction
+from stppo.algos import PRESETS, ClipBias
 from stppo.algos.aggregation import agg_loss
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.integrations.verl.losses import (dual_clip_fraction, verl_global_denoms,
@@ -88,21 +88,21 @@ def test_verl_spec_is_the_preset_with_verls_clip_and_aggregation():
                          dual_clip=None) == p.spec(), name
         assert (s.clip_low, s.clip_high, s.loss_agg) == (0.1, 0.3, "token-mean")
     st = verl_spec("st_ppo", "token-mean", _config(tau=0.7, granularity="sequence"))
-    assert st.correction == Correction("clip_bias_norm", 0.7, "token", "sequence")
-    assert verl_spec("st_ppo", "token-mean", _config()).correction == Correction("clip_bias_norm", 0.5)
-    assert verl_spec("ppo", "token-mean", _config(tau=0.7)).correction is None
+    assert st.clip_bias == ClipBias("clip_bias_norm", 0.7, "token", "sequence")
+    assert verl_spec("st_ppo", "token-mean", _config()).clip_bias == ClipBias("clip_bias_norm", 0.5)
+    assert verl_spec("ppo", "token-mean", _config(tau=0.7)).clip_bias is None
     assert verl_spec("sapo", "token-mean", _config(clip_ratio_c=3.0)).dual_clip is None  # no dual clip
 
 
 def test_a_sent_spec_wins_over_the_preset_and_the_knobs():
     from stppo.integrations.verl.losses import verl_spec
 
-    sent = PRESETS["st_ppo"].spec(ratio_level="token", correction=Correction("clip_triggered", 1.5))
+    sent = PRESETS["st_ppo"].spec(ratio_level="token", clip_bias=ClipBias("clip_triggered", 1.5))
     s = verl_spec("st_ppo", "seq-mean-token-mean", _config(spec=sent.to_dict(), tau=0.9))
-    assert s.ratio_level == "token" and s.correction == Correction("clip_triggered", 1.5)
+    assert s.ratio_level == "token" and s.clip_bias == ClipBias("clip_triggered", 1.5)
     with pytest.raises(ValueError, match="estimator 'grad' needs the policy parameters"):
         verl_spec("st_ppo", "token-mean", _config(
-            spec=PRESETS["st_ppo"].spec(correction=Correction("clip_bias_norm", 0.5, "grad")).to_dict()))
+            spec=PRESETS["st_ppo"].spec(clip_bias=ClipBias("clip_bias_norm", 0.5, "grad")).to_dict()))
 
 
 def test_spec_round_trips_through_plain_values():

@@ -21,7 +21,7 @@ from numerics import RecordingSGD, assert_close_to_scale
 from stppo.algos import LOSS_MODES, LossSpec
 from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
-from stppo.config import AlgoConfig, CorrectionConfig, KLConfig, TrainerConfig
+from stppo.config import AlgoConfig, ClipBiasConfig, KLConfig, TrainerConfig
 from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
 from stppo.train.microbatch import actor_backward, critic_backward, split
 from stppo.train.rollout_corr import step_correction
@@ -64,14 +64,14 @@ def _batch(policy) -> Batch:
 
 
 def _algo(name="ppo", **kw) -> AlgoConfig:
-    for key, cls in (("correction", CorrectionConfig), ("kl", KLConfig)):
+    for key, cls in (("clip_bias", ClipBiasConfig), ("kl", KLConfig)):
         if key in kw:
             kw[key] = cls(**kw[key])
     return AlgoConfig(name=name, **kw)
 
 
 def _corrected(mb: Batch, algo: AlgoConfig) -> Batch:
-    """The batch as the preparation leaves it under the run's rollout correction: decoupled, its
+    """The batch as the preparation leaves it under the run's rollout clip_bias: decoupled, its
     kept tokens and IS weights (once, from π_old); bypass, π_old = the sampler's."""
     rc = algo.spec.rollout_correction
     if rc.bypass_mode:
@@ -117,24 +117,24 @@ CASES = {
                             entropy_coef=0.02, loss_agg="token-mean"),
     "dual_clip": dict(dual_clip=1.5),
     # S-PPO, ST-PPO, SO-PPO: batch and sequence granularity, token and grad estimators
-    "s_ppo/batch": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=0.05)),
-    "s_ppo/sequence": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=0.05,
+    "s_ppo/batch": dict(name="s_ppo", clip_bias=dict(kind="clip_bias_norm", tau=0.05)),
+    "s_ppo/sequence": dict(name="s_ppo", clip_bias=dict(kind="clip_bias_norm", tau=0.05,
                                                           granularity="sequence")),
-    "s_ppo/grad": dict(name="s_ppo", correction=dict(kind="clip_bias_norm", tau=1e-3,
+    "s_ppo/grad": dict(name="s_ppo", clip_bias=dict(kind="clip_bias_norm", tau=1e-3,
                                                       estimator="grad")),
     "st_ppo/batch": dict(name="st_ppo", ratio_level="turn",
-                         correction=dict(kind="clip_bias_norm", tau=0.05),
+                         clip_bias=dict(kind="clip_bias_norm", tau=0.05),
                          kl=dict(coef=0.05, estimator="k2"), entropy_coef=0.01),
     "st_ppo/sequence": dict(name="st_ppo", ratio_level="turn",
-                            correction=dict(kind="clip_bias_norm", tau=0.05,
+                            clip_bias=dict(kind="clip_bias_norm", tau=0.05,
                                             granularity="sequence")),
     "st_ppo/grad+tis": dict(name="st_ppo", ratio_level="turn", rollout_correction="decoupled_token_is",
-                            correction=dict(kind="clip_bias_norm", tau=1e-3, estimator="grad")),
-    "so_ppo": dict(name="so_ppo", ratio_level="turn", correction=dict(kind="clip_triggered",
+                            clip_bias=dict(kind="clip_bias_norm", tau=1e-3, estimator="grad")),
+    "so_ppo": dict(name="so_ppo", ratio_level="turn", clip_bias=dict(kind="clip_triggered",
                                                                         tau=0.1)),
     "so_grpo/sequence": dict(name="so_grpo", ratio_level="sequence", advantage="grpo",
                              use_critic=False, clip_low=0.02, clip_high=0.02,
-                             correction=dict(kind="clip_triggered", tau=0.1)),
+                             clip_bias=dict(kind="clip_triggered", tau=0.1)),
     "grpo": dict(name="grpo", advantage="grpo", use_critic=False, loss_agg="token-mean"),
     "tis": dict(rollout_correction="decoupled_token_is", rollout_correction_options={"threshold": 1.5}),
     # rollout corrections: sequence IS + rejection (rows leave the mask), IcePop, bypass mode with
@@ -178,7 +178,7 @@ def test_micro_batched_loss_gradient_and_metrics_equal_the_whole_minibatch(setup
     mb = _corrected(mb, algo)
     whole = _grads(policy, mb, _ctx(algo, 0))
     _assert_same(whole, _grads(policy, mb, _ctx(algo, micro)), f"{case}, micro {micro}")
-    if algo.correction.kind != "none" and micro == 5:  # the corrections act in this check
+    if algo.clip_bias.kind != "none" and micro == 5:  # the corrections act in this check
         assert float(whole[1]["clip_bias/scale"]) < 0.999, case
     rc = algo.spec.rollout_correction
     if rc.rollout_rs is not None and micro == 5:  # some rows are rejected, not all
@@ -200,7 +200,7 @@ def test_the_check_can_fail(setup, monkeypatch):
         _assert_same(whole, _grads(policy, mb, _ctx(algo, 5)), "local denominators")
     monkeypatch.undo()
     algo = _algo(name="st_ppo", ratio_level="turn",
-                 correction=dict(kind="clip_bias_norm", tau=0.05))
+                 clip_bias=dict(kind="clip_bias_norm", tau=0.05))
     whole = _grads(policy, mb, _ctx(algo, 0))
     monkeypatch.setattr(LossSpec, "separable", property(lambda self: True))  # λ of each part alone
     with pytest.raises(AssertionError):
@@ -216,9 +216,9 @@ def test_batch_level_losses_are_exactly_those_not_separable():
     assert _algo("grpo", rollout_correction="bypass_pg_is").spec.separable
     assert _algo(rollout_correction="decoupled_seq_is",
                  rollout_correction_options={"batch_normalize": True}).spec.separable
-    assert not _algo(correction=dict(kind="clip_bias_norm")).spec.separable
-    assert not _algo(correction=dict(kind="clip_triggered")).spec.separable
-    assert _algo(correction=dict(kind="clip_bias_norm", granularity="sequence")).spec.separable
+    assert not _algo(clip_bias=dict(kind="clip_bias_norm")).spec.separable
+    assert not _algo(clip_bias=dict(kind="clip_triggered")).spec.separable
+    assert _algo(clip_bias=dict(kind="clip_bias_norm", granularity="sequence")).spec.separable
     assert _algo().spec.separable and not _algo("bapo").spec.separable
 
 
@@ -259,7 +259,7 @@ def _update(micro: int, checkpointing: bool, algo: AlgoConfig):
 
 
 @pytest.mark.parametrize("algo", [dict(name="st_ppo", ratio_level="turn",
-                                       correction=dict(kind="clip_bias_norm", tau=0.05)),
+                                       clip_bias=dict(kind="clip_bias_norm", tau=0.05)),
                                   dict(name="ppo", entropy_coef=0.01)])
 def test_update_with_micro_batches_and_checkpointing_equals_the_plain_update(algo):
     """Two epochs of two minibatches (4 optimizer steps of the actor, 4 of the critic): the

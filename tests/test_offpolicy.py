@@ -26,6 +26,7 @@ from stppo.tracker import Tracker
 from stppo.train import checkpoint, loop
 from stppo.batch import Batch
 from stppo.train.offpolicy import PolicyHistory, draw_lags, offpolicy_metrics
+from stppo.train.sampler import OnPolicySampler
 from stppo.train.setup import build_components
 from stppo.train.update import old_log_probs_from_update
 
@@ -223,7 +224,7 @@ def test_lag_zero_is_the_on_policy_run(tmp_path):
     assert not old_log_probs_from_update(to_config(quick(tmp_path, *one_minibatch, "trainer.offpolicy.lag=1")))
     comps = build_components(zero, progress=False)
     trainer = loop.Trainer(zero, comps, Tracker(None, "x", enabled=False), run_dir=None)
-    assert trainer.stale is None and "offpolicy" not in trainer.state_dict()
+    assert type(trainer.sampler) is OnPolicySampler and "offpolicy" not in trainer.state_dict()
     m = trainer.train_step(1)
     assert not any(k.startswith("offpolicy/") for k in m)
 
@@ -248,12 +249,12 @@ def test_the_static_engines_bfloat16_copy_samples_with_the_snapshot(tmp_path):
     comps = build_components(cfg, progress=False)
     trainer = loop.Trainer(cfg, comps, Tracker(None, "x", enabled=False), run_dir=None)
     trainer.train_step(1)
-    snapshot = trainer.stale.history.snapshots[0]  # θ_0, which samples step 2 at lag 1
+    snapshot = trainer.sampler.history.snapshots[0]  # θ_0, which samples step 2 at lag 1
     trainer.train_step(2)
-    assert trainer.stale.held == 0
+    assert trainer.sampler.held == 0
     with comps.precision.autocast():
-        copy16 = sampler_model(trainer.stale.behaviour)
-    assert copy16 is not trainer.stale.behaviour
+        copy16 = sampler_model(trainer.sampler.behaviour)
+    assert copy16 is not trainer.sampler.behaviour
     for name, p in copy16.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, snapshot[name].to(torch.bfloat16)), name
     assert any(not torch.equal(p, snapshot[n]) for n, p in comps.policy.named_parameters())

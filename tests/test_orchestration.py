@@ -150,7 +150,7 @@ def test_launcher_presets_and_the_sweep_compose():
     assert sw._target_ == "sweeps.hydra_sweeper.StppoOptunaSweeper" and sw.direction == "maximize"
     assert sw.study_name == "clip_range-so_ppo" and sw.storage.startswith("sqlite:///")
     assert set(sw.params) == {"algo.clip_low", "algo.clip_high"}
-    assert set(sw.correction_params) == {"clip_bias_norm", "clip_triggered"}
+    assert set(sw.clip_bias_params) == {"clip_bias_norm", "clip_triggered"}
     (job,) = _compose_many([["+sweep=clip_range", "algo=so_ppo"]])
     assert job.trainer.stop_on_collapse and job.tracking.sweep == "clip_range"
 

@@ -1,10 +1,12 @@
-"""A researcher's stabiliser as a package of its own (`stppo.algos.plugins`, docs/extending.md),
-with the example package tests/plugin_example (`turn_drift`, installed by `make test`): its preset
-file found through Hydra's search path; its loss checked against a loop reference, for mask
-invariance and by gradcheck with the project's test helpers; micro-batches equal to the whole
-minibatch; a quick run that logs its metrics, stppo's stability metrics and the per-turn ones,
-read by the analysis; an Optuna sweep over its option; and every contract violation one line and
-exit 1 before any work. (torchrun: tests/test_distributed.py; verl: tests/verl.)"""
+"""A researcher's stabiliser as a package of its own (`stppo.plugins`, docs/extending.md), with
+the example package tests/plugin_example (`turn_drift`, installed by `make test`): found by its
+entry point with no search path; its loss checked against a loop reference (with and without the
+dual clip), for mask invariance and by gradcheck with the project's test helpers; micro-batches
+equal to the whole minibatch; quick runs of both its presets (one with the dual clip) that log its
+metrics, stppo's stability metrics and the per-turn ones, read by the analysis; an Optuna sweep
+over its option (test_sweeps); a plain folder on Hydra's search path; and every contract
+violation one line and exit 1 before any work. (torchrun: tests/test_distributed.py; verl:
+tests/verl.)"""
 
 from __future__ import annotations
 
@@ -22,28 +24,43 @@ from stppo.config import compose, to_config
 from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 ROOT = Path(__file__).resolve().parents[1]
-SEARCH = "hydra.searchpath=[pkg://turn_drift.conf]"
 
 
-def spec(*overrides: str) -> LossSpec:
-    return to_config(compose([SEARCH, "algo=turn_drift", *overrides])).algo.spec
+def spec(*overrides: str, preset: str = "turn_drift") -> LossSpec:
+    return to_config(compose([f"algo={preset}", *overrides])).algo.spec
 
 
-# --- the preset file ---------------------------------------------------------------------------
-def test_the_preset_file_names_the_function_and_its_options():
+# --- found by its entry point: the preset rows and files ------------------------------------------
+def test_the_entry_point_registers_both_presets_with_no_search_path():
+    from stppo.plugins import load_plugins
+
+    assert "turn_drift" in load_plugins()
     s = spec()
-    assert (s.name, s.loss_mode, s.ratio_level, s.advantage, s.use_critic) == (
-        "turn_drift", "turn_drift", "token", "grpo", False)
-    assert dict(s.options) == {"beta": 0.1}  # the preset file's value
-    assert spec("algo.loss_options.beta=0.7").options["beta"] == 0.7  # a run's override
+    assert (s.name, s.loss_mode, s.ratio_level, s.advantage, s.use_critic, s.dual_clip) == (
+        "turn_drift", "turn_drift", "token", "grpo", False, None)
+    assert dict(s.options) == {"beta": 0.1}  # the preset row's value
+    assert spec(preset="turn_drift_strong").options == {"beta": 0.5}  # a second preset of the mode
+    assert spec("+algo.loss_options.beta=0.7").options["beta"] == 0.7  # a run's override
     assert spec("algo.clip_high=0.3").clip_high == 0.3
+    assert spec("algo.dual_clip=3.0").dual_clip == 3.0  # the mode declares dual_clip=True
+
+
+def test_a_mode_without_the_dual_clip_rejects_it_in_one_line():
+    with pytest.raises(ValueError, match=r"^algo: loss_mode='cispo' has no dual clip; set dual_clip to null$"):
+        spec("algo.dual_clip=3.0", preset="cispo")
 
 
 # --- the loss against a loop reference (what docs/extending.md shows) ---------------------------
-def loop_turn_drift(lp, old, adv, mask, turns, beta, agg="seq-mean-token-mean", clip=0.2):
-    """turn_drift written token by token: agg(s) + β agg(d²), d the turn's mean log-ratio."""
+def loop_turn_drift(lp, old, adv, mask, turns, beta, agg="seq-mean-token-mean", clip=0.2, dual=None):
+    """turn_drift written token by token: agg(s) + β agg(d²), d the turn's mean log-ratio; s with
+    the dual clip min(s, −c·A) on A < 0 when `dual` = c."""
     rho = loop_ratio(lp, old, mask, turns, "token")
     s, _, _ = loop_surrogate(rho, adv, mask, clip, clip)
+    if dual is not None:
+        for i in range(lp.shape[0]):
+            for t in range(lp.shape[1]):
+                if mask[i, t] and adv[i, t] < 0:
+                    s[i, t] = min(s[i, t], -dual * adv[i, t])
     d = torch.zeros_like(lp)
     for i in range(lp.shape[0]):
         for k in set(turns[i][mask[i]].tolist()):
@@ -58,17 +75,22 @@ def call(x, s, lp=None):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_turn_drift_equals_its_loop_reference(agg):
-    s = spec(f"algo.loss_agg={agg}", "algo.loss_options.beta=0.5")
-    x = make_inputs(5, 24, seed=3, spread=0.5, dtype=torch.float64)
+@pytest.mark.parametrize("dual", [None, 1.5])
+def test_turn_drift_equals_its_loop_reference(agg, dual):
+    s = spec(f"algo.loss_agg={agg}", "+algo.loss_options.beta=0.5", f"algo.dual_clip={dual or 'null'}")
+    x = make_inputs(5, 24, seed=3, spread=1.5, dtype=torch.float64)  # wide: the dual clip binds
     got = call(x, s).loss
     want = loop_turn_drift(x["log_probs"], x["old_log_probs"], x["advantages"], x["loss_mask"],
-                           x["turn_ids"], 0.5, agg)
+                           x["turn_ids"], 0.5, agg, dual=dual)
+    # float64 sums of a few hundred O(1) terms, reordered: far inside 1e-12 relative
     assert float(got) == pytest.approx(float(want), rel=1e-12)
+    if dual is not None:  # the dual clip changes the loss on these inputs (the test can fail)
+        plain = call(x, spec(f"algo.loss_agg={agg}", "+algo.loss_options.beta=0.5")).loss
+        assert float(plain) != pytest.approx(float(got), rel=1e-6)
 
 
 def test_turn_drift_ignores_garbage_off_agent_tokens_and_passes_gradcheck():
-    s = spec("algo.loss_options.beta=0.5")
+    s = spec("+algo.loss_options.beta=0.5")
     x = make_inputs(4, 20, seed=4, spread=0.5, dtype=torch.float64)
     dirty = {**x, **{k: with_garbage(x[k], x["loss_mask"]) for k in ("log_probs", "old_log_probs",
                                                                        "advantages")}}
@@ -83,7 +105,7 @@ def test_micro_batches_equal_the_whole_minibatch_both_ways(monkeypatch):
     minibatch's log-probs: the same gradient and metrics as the whole minibatch."""
     import test_microbatch as tm
 
-    algo = to_config(compose([SEARCH, "algo=turn_drift", "algo.loss_options.beta=0.5"])).algo
+    algo = to_config(compose(["algo=turn_drift", "+algo.loss_options.beta=0.5", "algo.dual_clip=2.0"])).algo
     policy = tm._model()
     mb = tm._batch(policy)
     whole = tm._grads(policy, mb, tm._ctx(algo, 0))
@@ -93,12 +115,15 @@ def test_micro_batches_equal_the_whole_minibatch_both_ways(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_quick_run_logs_the_stabilisers_metrics(tiny_cfg, tmp_path):
+@pytest.mark.parametrize("preset", [("algo=turn_drift",), ("algo=turn_drift_strong", "algo.dual_clip=3.0")],
+                         ids=["turn_drift", "turn_drift_strong-dual_clip"])
+def test_a_quick_run_logs_the_stabilisers_metrics(tiny_cfg, tmp_path, preset):
+    """Both presets of the mode log under its one namespace; the second with the dual clip."""
     from analysis.load import load_study
     from stppo import metric_names as K
     from stppo.train.job import run
 
-    run(tiny_cfg(SEARCH, "algo=turn_drift", "trainer.total_steps=2"))
+    run(tiny_cfg(*preset, "trainer.total_steps=2"))
     frame = load_study("stppo", f"sqlite:///{tmp_path}/mlflow.db", use_cache=False).metrics
     keys = set(frame["metric"].astype(str))
     assert {"turn_drift/penalty", "turn_drift/turn_shift_max", K.CLIP_BIAS_NORM, K.PG_CLIPFRAC,
@@ -107,15 +132,33 @@ def test_a_quick_run_logs_the_stabilisers_metrics(tiny_cfg, tmp_path):
     assert len(pen) == 2 and all(math.isfinite(v) for v in pen)
 
 
+# --- a plain folder (not installed): Hydra's search path and `plugin:` ------------------------------
+GOOD = """from stppo.algos import Preset, agg_loss, importance_ratio, loss_mode, register_preset
+
+
+@loss_mode(options={"scale": 1.0}, namespace="mine")
+def mine_good(x, spec):
+    ratio, _ = importance_ratio(x.log_probs, x.old_log_probs, x.loss_mask, x.turn_ids, "token")
+    loss = agg_loss(-ratio * x.advantages * spec.options["scale"], x.loss_mask, spec.loss_agg, x.global_denoms)
+    return loss, {"mine/ratio_mean": ratio[x.loss_mask].mean().detach()}
+
+
+register_preset(Preset("mine_good", "token", "none", "grpo", False, loss_mode="mine_good"))
+"""
+
 # --- the contract: one line, exit 1, before any work ----------------------------------------------
 BAD = {
-    "broken": ("import does_not_exist_anywhere\n", "cannot be imported (ModuleNotFoundError"),
-    "plain": ("def loss(x, spec):\n    return x.log_probs.sum(), {}\n",
-              "is not a stabiliser: decorate it with"),
-    "signature": ("from stppo.algos.plugins import stabiliser\n"
-                  "def loss(x, spec, extra):\n    return 0, {}\n"
-                  "loss.stppo_stabiliser = {}\n",
-                  "must take exactly two arguments (inputs, spec), got (x, spec, extra)"),
+    "broken": ("import does_not_exist_anywhere\n",
+               "algo.plugin='mine_broken': module 'mine_broken' cannot be imported (ModuleNotFoundError"),
+    "signature": ("from stppo.algos import loss_mode\n"
+                  "@loss_mode()\ndef loss(x, spec, extra):\n    return 0, {}\n",
+                  "cannot be imported (ValueError: loss mode mine_signature:loss must take exactly two "
+                  "arguments (inputs, spec), got (x, spec, extra))"),
+    "unregistered": ("from stppo.algos import Preset, register_preset\n"
+                     "register_preset(Preset('mine_unregistered', 'token', 'none', 'grpo', False, "
+                     "loss_mode='nowhere'))\n",
+                     "preset 'mine_unregistered': algo.loss_mode='nowhere' is not valid; allowed: "),
+    "no_preset": ("X = 1\n", "algo.name='mine_no_preset' is not valid; allowed: "),
 }
 
 
@@ -126,19 +169,33 @@ def _package(tmp: Path, name: str, source: str, options: str = "") -> Path:
     conf.mkdir(parents=True, exist_ok=True)
     (conf / f"mine_{name}.yaml").write_text(textwrap.dedent(f"""\
         name: mine_{name}
-        loss: mine_{name}:loss
-        advantage: grpo
-        use_critic: false
+        plugin: mine_{name}
         {options}"""))
     return tmp / "conf"
 
 
-def _run(tmp: Path, conf: Path, name: str):
+def _run(tmp: Path, conf: Path, name: str, *extra: str):
     env = {"PYTHONPATH": str(tmp), "PATH": "/usr/bin:/bin", "HOME": str(tmp)}
     return subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.searchpath=[file://{conf}]",
                            f"algo=mine_{name}", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
-                           f"trainer.out_dir={tmp}/runs"],
+                           f"trainer.out_dir={tmp}/runs", *extra],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+
+
+def test_a_plain_folder_plugin_composes_from_the_search_path(tmp_path):
+    conf = _package(tmp_path, "good", GOOD)
+    out = _run(tmp_path, conf, "good", "--cfg", "job", "--resolve")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "name: mine_good" in out.stdout and "plugin: mine_good" in out.stdout
+    sys.path.insert(0, str(tmp_path))
+    try:
+        s = to_config(compose([f"hydra.searchpath=[file://{conf}]", "algo=mine_good"])).algo.spec
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert (s.loss_mode, dict(s.options)) == ("mine_good", {"scale": 1.0})
+    x = make_inputs(3, 10, seed=1)
+    loss, m = call(x, s)
+    assert torch.isfinite(loss) and "mine/ratio_mean" in m
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -147,31 +204,36 @@ def test_a_broken_stabiliser_is_one_line_and_exit_1_before_any_work(tmp_path, na
     out = _run(tmp_path, _package(tmp_path, name, source), name)
     assert out.returncode == 1, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("run.py: error: algo.loss=") and message in last, last
+    assert last.startswith("run.py: error: ") and message in last, last
     assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists()
 
 
+def test_an_installed_plugin_that_fails_to_import_is_one_line(monkeypatch):
+    import stppo.plugins as plugins
+
+    monkeypatch.setattr(plugins, "_entry_points", lambda: (("ghost", "ghost_package_not_there"),))
+    with pytest.raises(plugins.PluginError, match=r"^stppo plugin 'ghost' \(entry point group stppo.plugins\): "
+                                                  r"module 'ghost_package_not_there' cannot be imported"):
+        plugins.load_plugins()
+
+
 def test_an_unknown_option_is_one_line_and_exit_1(tmp_path):
-    source = ("from stppo.algos.plugins import stabiliser\n"
-              "@stabiliser(options={'beta': 0.1})\n"
-              "def loss(x, spec):\n    return x.log_probs.sum(), {}\n")
-    out = _run(tmp_path, _package(tmp_path, "opt", source, "loss_options: {gamma: 0.3}\n"), "opt")
+    out = _run(tmp_path, _package(tmp_path, "opt", GOOD.replace("mine_good", "mine_opt"),
+                                  "loss_options: {gamma: 0.3}\n"), "opt")
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last == ("run.py: error: algo: loss_mode='mine_opt' has no option(s) gamma; "
-                    "valid: beta"), last
+                    "valid: scale"), last
     assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_metrics_outside_the_namespace_are_rejected():
-    from stppo.algos.plugins import register_stabiliser, stabiliser
+    from stppo.algos import loss_mode
 
-    @stabiliser()
+    @loss_mode("leaky_mode", namespace="leaky")
     def leaky(x, spec):
         return x.log_probs.sum(), {"entropy_bonus": x.log_probs.sum().detach()}
 
-    sys.modules[__name__].leaky = leaky
-    register_stabiliser("leaky", f"{__name__}:leaky")
     x = make_inputs(2, 6, seed=0)
     with pytest.raises(ValueError, match="returned metric.s. 'entropy_bonus': name its own metrics 'leaky/"):
-        call(x, LossSpec(name="leaky", loss_mode="leaky", advantage="grpo", use_critic=False))
+        call(x, LossSpec(name="leaky", loss_mode="leaky_mode", advantage="grpo", use_critic=False))

@@ -157,7 +157,7 @@ def test_collapsing_trial_is_pruned_early_through_submitit(tmp_path, warm_cache)
     assert list((tmp_path / "m" / ".submitit").rglob("*_result.pkl")), "the job did not go through submitit"
     (trial,) = _trials(tmp_path, "clip_range-st_ppo")
     assert trial.state == TrialState.PRUNED and trial.user_attrs["collapse_step"] == 1
-    assert set(trial.params) == {"algo.clip_low", "algo.clip_high", "algo.correction.tau"}
+    assert set(trial.params) == {"algo.clip_low", "algo.clip_high", "algo.clip_bias.tau"}
     assert 0 in trial.intermediate_values and max(trial.intermediate_values) == 2
     client = MlflowClient(uri)
     run = client.get_run(trial.user_attrs[S.RUN_ID_ATTR])
@@ -171,8 +171,8 @@ def test_a_stabilisers_option_is_a_sweep_dimension(tmp_path, warm_cache):  # noq
     a run of the stabiliser with the sampled option."""
     uri = fresh_sqlite(tmp_path)
     res = run_py(_sweep_args(tmp_path, uri, [
-        "hydra.searchpath=[pkg://turn_drift.conf]", "algo=turn_drift", "hydra.sweeper.n_trials=2",
-        "algo.loss_options.beta=interval(0.01, 1.0)"]), tmp_path)
+        "algo=turn_drift", "hydra.sweeper.n_trials=2",
+        "+algo.loss_options.beta=interval(0.01, 1.0)"]), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     trials = _trials(tmp_path, "clip_range-turn_drift")
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
@@ -180,5 +180,5 @@ def test_a_stabilisers_option_is_a_sweep_dimension(tmp_path, warm_cache):  # noq
     for t in trials:
         r = runs[str(t.number)]
         assert float(r.data.params["algo.loss_options.beta"]) == pytest.approx(
-            t.params["algo.loss_options.beta"])
+            t.params["+algo.loss_options.beta"])
         assert "turn_drift/penalty" in r.data.metrics

@@ -109,7 +109,7 @@ def test_repeated_nonfinite_steps_end_the_run_as_collapsed(tiny_cfg, tmp_path):
 @pytest.mark.parametrize("override, field", [
     ("algo.clip_low=1.5", "algo.clip_low"),
     ("trainer.minibatch_size=999", "trainer.minibatch_size"),
-    ("algo.correction.kind=magic", "algo.correction.kind"),
+    ("algo.clip_bias.kind=magic", "algo.clip_bias.kind"),
     ("algo.loss_agg=sum", "algo.loss_agg"),
 ])
 def test_invalid_setting_fails_before_any_work_naming_the_field(tiny_cfg, tmp_path, override, field):

@@ -85,7 +85,7 @@ def test_rejected_tokens_and_is_weights_reach_the_policy_loss(setup):
     with torch.no_grad():
         lp = policy_log_probs(policy, out.input_ids, out.attention_mask, positions=batch.loss_mask)
     ent = torch.zeros_like(lp)
-    loss, m = actor_loss(lp, ent, out, ctx, whole(out, Dist()))
+    loss, m, _ = actor_loss(lp, ent, out, ctx, whole(out, Dist()))
     want = policy_loss(lp, out.old_log_probs, out.advantages, out.loss_mask, out.turn_ids, a.spec,
                        rollout_is_weights=out.rollout_is_weights)
     assert float(loss.detach()) == pytest.approx(float(want.loss.detach()), rel=1e-12)
@@ -104,7 +104,7 @@ def test_bypass_takes_the_samplers_log_probs_and_corrects_in_the_loss(setup):
     assert not any(k.startswith("rollout_corr/") for k in m)
     ctx = UpdateContext(a, TrainerConfig(minibatch_size=N, questions_per_step=4, group_size=2), torch.Generator())
     lp = policy_log_probs(policy, out.input_ids, out.attention_mask, positions=batch.loss_mask).requires_grad_(True)
-    loss, m = actor_loss(lp, torch.zeros_like(lp), out, ctx, whole(out, Dist()))
+    loss, m, _ = actor_loss(lp, torch.zeros_like(lp), out, ctx, whole(out, Dist()))
     # REINFORCE over the rows π_θ keeps within ±1% of π_rollout (0-3), all agent tokens' count
     kept = batch.loss_mask & (torch.arange(N) < 4)[:, None]
     d_tok, d_seq = agg_denoms(batch.loss_mask)

@@ -73,8 +73,8 @@ def run_of(client, seed: int):
 def study(tmp_path_factory, verl_python):
     """One store: a verl run that trains to the end (seed 0), one that collapses and is stopped
     (seed 1, a sweep trial), one whose clipping bias grows until an alarm stops it (seed 4,
-    trainer.on_alarm=stop), and own-backend runs of the same experiment (analysis.synthetic)."""
-    from analysis.synthetic import write_demo_study
+    trainer.on_alarm=stop), and own-backend runs of the same experiment (analysis.fixtures.runs)."""
+    from analysis.fixtures.runs import write_demo_study
 
     tmp = tmp_path_factory.mktemp("verl_study")
     mp = pytest.MonkeyPatch()
@@ -292,7 +292,7 @@ def test_outcome_of_verls_exit():
     (["model=tiny"], "model=tiny is a random preset built by stppo's own trainer"),
     (["trainer.warmstart.enabled=true"], "trainer.warmstart.enabled=true: verl has no SFT warm start"),
     (["algo=grpo", "trainer.group_size=3", "trainer.minibatch_size=32"], "must be a multiple of trainer.group_size=3"),
-    (["algo.correction.estimator=grad"], "algo.correction.estimator=grad: the 'grad' estimator needs the policy"),
+    (["algo.clip_bias.estimator=grad"], "algo.clip_bias.estimator=grad: the 'grad' estimator needs the policy"),
     (["task.prompt_style=compact"], "task.prompt_style=compact is for stppo's random-init models"),
 ])
 def test_settings_verl_cannot_honour_are_one_line_errors(extra, message, tmp_path):
@@ -427,7 +427,7 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR)):
         c = hydra_compose("config", overrides=["+sweep=clip_range", "backend=verl", "+experiment=paper_search",
                                                "hydra/launcher=submitit_slurm", "algo=s_ppo",
-                                               "algo.correction.tau=1.5"], return_hydra_config=True)
+                                               "algo.clip_bias.tau=1.5"], return_hydra_config=True)
     assert c.hydra.sweeper._target_ == "sweeps.hydra_sweeper.StppoOptunaSweeper"
     assert c.hydra.launcher._target_.endswith("SlurmLauncher")
     from omegaconf import open_dict
@@ -437,7 +437,7 @@ def test_the_sweep_and_the_slurm_launcher_compose_with_backend_verl(tmp_path):
     cfg = to_config(c)
     assert cfg.backend.name == "verl" and cfg.trainer.stop_on_collapse  # the sweep prunes collapsed verl runs
     argv = L.make_plan(cfg, run_id="x").argv
-    assert "+actor_rollout_ref.actor.policy_loss.spec.correction.tau=1.5" in argv  # the trial's τ reaches verl's loss
+    assert "+actor_rollout_ref.actor.policy_loss.spec.clip_bias.tau=1.5" in argv  # the trial's τ reaches verl's loss
 
 
 @pytest.mark.parametrize("override, field", [

@@ -2,14 +2,14 @@
 interval against the study's axis of off-policyness — the level (each selected experiment), the
 lag of stale rollouts (`trainer.offpolicy.lag`, each lag mode its own cell), or both (one panel per
 level) —, the cells' table, and the pairwise tests and pooled contrasts per x with Holm's
-adjustment (`analysis.frontier`, the tables of `python -m analysis.frontier`)."""
+adjustment (`analysis.studies.frontier`, the tables of `python -m analysis.studies.frontier`)."""
 
 import pandas as pd
 import streamlit as st
 
 from analysis import charts as C
 from analysis.axes import varies
-from analysis.frontier import build_frontier, level_labels
+from analysis.studies.frontier import build_frontier, level_labels
 from analysis.store import AnalysisError
 from dashboard import common
 

@@ -1,4 +1,4 @@
-"""Clipping bias: diagnostics and the corrections of S-PPO / ST-PPO / SO-PPO (docs/design.md §2).
+"""Clipping bias: diagnostics and the clip-bias scale of S-PPO / ST-PPO / SO-PPO (docs/design.md §2).
 
 The PPO gradient is the unclipped importance-sampling gradient minus the contribution of the
 clipped tokens, C = ∇_θ agg(κ ρ A) (ST-PPO, arXiv 2511.20718 v1, §4). Diagnostics:
@@ -6,7 +6,8 @@ clipped tokens, C = ∇_θ agg(κ ρ A) (ST-PPO, arXiv 2511.20718 v1, §4). Diag
     actor/pg_loss_norm = sqrt(agg(s²))               the same for the surrogate (Fig. 3c)
     clip_bias/grad_norm = ‖C‖₂                       exact, one more backward over the same graph
 
-Corrections multiply the policy loss by a detached scale λ:
+The clip-bias scale (`algo.clip_bias`, `LossSpec.clip_bias`) multiplies the policy loss by a
+detached λ, by its kind:
     none            λ = 1
     clip_bias_norm  λ = 1 / max(1, ‖C‖/τ)   (S-PPO, ST-PPO); ‖C‖ from the `token` estimator
                     (clip_bias/norm) or the `grad` estimator (exact ‖∇θ agg(κρA)‖₂); granularity
@@ -19,7 +20,7 @@ under data parallelism, the global ones: `policy_loss(..., global_denoms=..., re
 sums the partial norms (and for the `grad` estimator the partial gradients) over the shards, so
 every shard computes the λ of the whole batch. A caller that computes ‖C‖ itself (the trainer's
 micro-batches, whose parameter gradients no single call sees) passes it as
-`correction_grad_norm`.
+`clip_bias_grad_norm`.
 """
 
 from __future__ import annotations
@@ -163,10 +164,10 @@ def clip_triggered_ratio(ratio: torch.Tensor, advantages: torch.Tensor, clipped:
     return rms_ratio(clip_rms_sums(ratio, advantages, clipped, loss_mask), reduce)
 
 
-# --- correction spec -----------------------------------------------------------------------------
+# --- the clip-bias scale: its spec -----------------------------------------------------------------------------
 @dataclass
 class ClipContext:
-    """What a correction may look at; built once per `policy_loss` call, token by token
+    """What a clip-bias scale may look at; built once per `policy_loss` call, token by token
     (`stppo.algos.loss`) or from turn statistics (`stppo.algos.turn_clip`)."""
 
     bias_norm: torch.Tensor  # 0-d detached clip_bias/norm (of the whole batch under `reduce`)
@@ -179,21 +180,21 @@ class ClipContext:
     grad_norm: Optional[torch.Tensor] = None  # the `grad` estimator's ‖C‖, computed by the caller
 
 
-class CorrectionKind(NamedTuple):
+class ClipBiasKind(NamedTuple):
     """`apply(ctx, spec) -> (λ, extra metrics)`: λ detached, 0-d (batch) or (N,) (sequence)."""
 
-    apply: Callable[[ClipContext, "Correction"], tuple[torch.Tensor, dict]]
+    apply: Callable[[ClipContext, "ClipBias"], tuple[torch.Tensor, dict]]
     default_tau: Optional[float]
     estimators: tuple[str, ...]
     granularities: tuple[str, ...]
 
 
-CORRECTIONS: Registry[CorrectionKind] = Registry("correction.kind")
+CLIP_BIAS_KINDS: Registry[ClipBiasKind] = Registry("clip_bias.kind")
 
 
 @dataclass(frozen=True)
-class Correction:
-    """A validated correction: kind ∈ CORRECTIONS, τ > 0 (kind's default if None)."""
+class ClipBias:
+    """A validated clip-bias scale: kind ∈ CLIP_BIAS_KINDS, τ > 0 (kind's default if None)."""
 
     kind: str = "none"
     tau: Optional[float] = None
@@ -201,80 +202,80 @@ class Correction:
     granularity: str = "batch"
 
     def __post_init__(self) -> None:
-        k = CORRECTIONS[self.kind]
+        k = CLIP_BIAS_KINDS[self.kind]
         if self.tau is None:
             object.__setattr__(self, "tau", k.default_tau)
         number = isinstance(self.tau, numbers.Real) and not isinstance(self.tau, bool)
         if self.tau is not None and not (number and self.tau > 0):
-            raise ValueError(f"correction.tau must be a number > 0, got {self.tau!r}")
+            raise ValueError(f"clip_bias.tau must be a number > 0, got {self.tau!r}")
         if self.estimator not in k.estimators:
-            raise ValueError(f"correction.estimator={self.estimator!r} is not valid for kind "
+            raise ValueError(f"clip_bias.estimator={self.estimator!r} is not valid for kind "
                              f"{self.kind!r}; allowed: {', '.join(k.estimators)}")
         if self.granularity not in k.granularities:
-            raise ValueError(f"correction.granularity={self.granularity!r} is not valid for kind "
+            raise ValueError(f"clip_bias.granularity={self.granularity!r} is not valid for kind "
                              f"{self.kind!r}; allowed: {', '.join(k.granularities)}")
         if self.estimator == "grad" and self.granularity != "batch":
-            raise ValueError("correction.estimator='grad' supports granularity='batch' only")
+            raise ValueError("clip_bias.estimator='grad' supports granularity='batch' only")
 
 
-_FIELDS = tuple(f.name for f in fields(Correction))
+_FIELDS = tuple(f.name for f in fields(ClipBias))
 _FIELD_SET = frozenset(_FIELDS)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_correction(key: tuple) -> Correction:
-    return Correction(**{name: value for name, _, value in key})
+def _cached_clip_bias(key: tuple) -> ClipBias:
+    return ClipBias(**{name: value for name, _, value in key})
 
 
-def _correction(values: dict) -> Correction:
-    """Correction(**values), validated once per distinct spec: a trainer passes the same spec on
+def _clip_bias(values: dict) -> ClipBias:
+    """ClipBias(**values), validated once per distinct spec: a trainer passes the same spec on
     every call, and building and validating it costs as much as the scale it computes. The key
     holds each value's type, so True never reuses the entry of 1."""
     key = tuple((name, type(value), value) for name, value in values.items())
     try:
-        return _cached_correction(key)
+        return _cached_clip_bias(key)
     except TypeError:  # an unhashable value: build (and fail validation) uncached
-        return Correction(**values)
+        return ClipBias(**values)
 
 
-def resolve_correction(spec: Any) -> Optional[Correction]:
-    """None, a mapping or an object with fields kind, tau[, estimator, granularity] → Correction
+def resolve_clip_bias(spec: Any) -> Optional[ClipBias]:
+    """None, a mapping or an object with fields kind, tau[, estimator, granularity] → ClipBias
     (None for kind 'none'). Unknown mapping keys raise a ValueError naming the expected fields."""
     if spec is None:
         return None
-    if isinstance(spec, Correction):
+    if isinstance(spec, ClipBias):
         out = spec
     elif hasattr(spec, "keys"):
         if not _FIELD_SET.issuperset(spec.keys()):
             extra = sorted(set(spec.keys()) - _FIELD_SET)
-            raise ValueError(f"correction has unknown fields {extra}; "
+            raise ValueError(f"clip_bias has unknown fields {extra}; "
                              f"expected: {', '.join(_FIELDS)}")
-        out = _correction({k: spec[k] for k in spec.keys()})
+        out = _clip_bias({k: spec[k] for k in spec.keys()})
     elif hasattr(spec, "kind"):
-        out = _correction({k: getattr(spec, k) for k in _FIELDS if hasattr(spec, k)})
+        out = _clip_bias({k: getattr(spec, k) for k in _FIELDS if hasattr(spec, k)})
     else:
-        raise ValueError(f"correction must be None, a mapping or an object with fields "
+        raise ValueError(f"clip_bias must be None, a mapping or an object with fields "
                          f"{', '.join(_FIELDS)}; got {type(spec).__name__}")
     return None if out.kind == "none" else out
 
 
-# --- the corrections -----------------------------------------------------------------------------
+# --- the scales -----------------------------------------------------------------------------
 def _scale(norm: torch.Tensor, tau: float) -> torch.Tensor:
     """λ = 1 / max(1, ‖C‖/τ)."""
     return (norm / tau).clamp_min_(1.0).reciprocal_()
 
 
-def _none(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
+def _none(ctx: ClipContext, spec: ClipBias) -> tuple[torch.Tensor, dict]:
     return torch.ones((), device=ctx.bias_norm.device), {}
 
 
-def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
+def _clip_bias_norm(ctx: ClipContext, spec: ClipBias) -> tuple[torch.Tensor, dict]:
     if spec.estimator == "grad":
         if ctx.grad_norm is not None:  # computed by the caller (micro-batches: stppo.train)
             g = at_least_fp32(ctx.grad_norm.detach())
         elif ctx.params is None:
-            raise ValueError("correction.estimator='grad' needs the policy parameters: pass "
-                             "params=model.parameters() (or correction_grad_norm=‖C‖) to "
+            raise ValueError("clip_bias.estimator='grad' needs the policy parameters: pass "
+                             "params=model.parameters() (or clip_bias_grad_norm=‖C‖) to "
                              "policy_loss")
         else:
             g = clip_bias_grad_norm(ctx.bias_term(), ctx.params, ctx.reduce)
@@ -284,7 +285,7 @@ def _clip_bias_norm(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
     return _scale(ctx.bias_norm, spec.tau), {}
 
 
-def _clip_triggered(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, dict]:
+def _clip_triggered(ctx: ClipContext, spec: ClipBias) -> tuple[torch.Tensor, dict]:
     r = rms_ratio(ctx.rms_sums(), ctx.reduce)
     return torch.where(r > spec.tau, 1.0 / r.clamp(min=RMS_EPS), torch.ones_like(r)), {}
 
@@ -295,8 +296,8 @@ def _clip_triggered(ctx: ClipContext, spec: Correction) -> tuple[torch.Tensor, d
 # ρA grow. For clip_triggered, r ≈ 1 when clipped and unclipped tokens have similar magnitude;
 # τ = 2 acts once the clipped tokens' RMS(ρA) is twice the rest's.
 DEFAULT_TAU = {"none": None, "clip_bias_norm": 0.5, "clip_triggered": 2.0}
-CORRECTIONS.register("none", CorrectionKind(_none, None, ESTIMATORS, GRANULARITIES))
-CORRECTIONS.register("clip_bias_norm", CorrectionKind(
+CLIP_BIAS_KINDS.register("none", ClipBiasKind(_none, None, ESTIMATORS, GRANULARITIES))
+CLIP_BIAS_KINDS.register("clip_bias_norm", ClipBiasKind(
     _clip_bias_norm, DEFAULT_TAU["clip_bias_norm"], ESTIMATORS, GRANULARITIES))
-CORRECTIONS.register("clip_triggered", CorrectionKind(
+CLIP_BIAS_KINDS.register("clip_triggered", ClipBiasKind(
     _clip_triggered, DEFAULT_TAU["clip_triggered"], ("token",), ("batch",)))

@@ -21,7 +21,7 @@ def clip_metrics(loss: torch.Tensor, *, loss_norm: torch.Tensor, clipfrac_high: 
                  lengths: torch.Tensor) -> dict[str, torch.Tensor]:
     """Detached 0-d metrics keyed by `stppo.metric_names` constants. CLIP_BIAS_SCALE is the mean λ
     (over trajectories with agent tokens when λ is per trajectory, `lengths` (N,) > 0),
-    CLIP_BIAS_TRIGGERED 1.0 if any λ < 1; λ None means no correction (1, 0)."""
+    CLIP_BIAS_TRIGGERED 1.0 if any λ < 1; λ None means no clip-bias scale (1, 0)."""
     one = torch.ones((), device=ratio_mean.device, dtype=ratio_mean.dtype)
     if scale is None:
         mean_scale, triggered = one, torch.zeros_like(one)
@@ -50,15 +50,15 @@ def clip_metrics(loss: torch.Tensor, *, loss_norm: torch.Tensor, clipfrac_high: 
 @torch.no_grad()
 def clip_fractions(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                    loss_mask: torch.Tensor, turn_ids: torch.Tensor, *, ratio_level: str,
-                   clip_low: float, clip_high: float) -> dict[str, torch.Tensor]:
-    """PG_CLIPFRAC (= _HIGH + _LOW): the shares of agent tokens whose clip binds, counted from ρ
-    at `ratio_level` and the sign of the *unweighted* advantage, as verl counts them
-    (`compute_policy_loss_vanilla` takes its clip fraction before it multiplies the loss by the
-    rollout IS weights): a token with weight 0 outside the clip range counts as clipped. (N, T)
-    inputs; detached 0-d."""
+                   clip_low: float, clip_high: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({PG_CLIPFRAC (= _HIGH + _LOW)}, κ (N, T) bool): where the clip binds, from ρ at
+    `ratio_level` and the sign of the *unweighted* advantage, and its shares of the agent tokens,
+    as verl counts them (`compute_policy_loss_vanilla` takes its clip fraction before it
+    multiplies the loss by the rollout IS weights): a token with weight 0 outside the clip range
+    counts as clipped. (N, T) inputs; detached."""
     ratio, _ = importance_ratio(log_probs.detach(), old_log_probs, loss_mask, turn_ids, ratio_level)
     adv = torch.where(loss_mask, advantages, 0.0).to(ratio.dtype)
-    parts = surrogate_parts(torch.where(loss_mask, ratio, 1.0), adv, clip_low, clip_high)
+    parts = surrogate_parts(ratio, adv, clip_low, clip_high)
     n = loss_mask.sum().clamp(min=1)
     high, low = (parts.clipped_high & loss_mask).sum() / n, (parts.clipped_low & loss_mask).sum() / n
-    return {PG_CLIPFRAC: high + low, PG_CLIPFRAC_HIGH: high, PG_CLIPFRAC_LOW: low}
+    return {PG_CLIPFRAC: high + low, PG_CLIPFRAC_HIGH: high, PG_CLIPFRAC_LOW: low}, parts.clipped

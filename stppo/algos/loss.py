@@ -1,5 +1,5 @@
-"""The clip path of `policy_loss`: ratio → clipped surrogate → correction → aggregation
-(docs/design.md §2).
+"""The clip path of `policy_loss`, the loss mode `clip`: ratio → clipped surrogate → clip-bias
+scale → aggregation (docs/design.md §2).
 
     L = λ · agg(s)        (batch granularity)      L = agg(λ_i s_{i,t})   (sequence granularity)
 
@@ -15,121 +15,87 @@ of ST-PPO, arXiv 2511.20718 v1, Lemma 4.1) and metrics from per-turn statistics 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from stppo.algos.aggregation import LOSS_AGGS, GlobalDenoms, agg_row_weights, mask_float, weighted_sum
-from stppo.algos.clip_bias import (CORRECTIONS, ClipContext, Reduce, clip_bias_sq, clip_bias_term,
-                                   clip_rms_sums, resolve_correction)
-from stppo.algos.clip_metrics import clip_metrics
-from stppo.algos.ratios import RATIO_LEVELS, log_ratio
-from stppo.algos.surrogate import surrogate_parts
+from stppo.algos.aggregation import GlobalDenoms, agg_row_weights, mask_float, weighted_sum
+from stppo.algos.clip_bias import (CLIP_BIAS_KINDS, ClipContext, Reduce, clip_bias_sq, clip_bias_term,
+                                   clip_rms_sums)
+from stppo.algos.clip_metrics import clip_fractions, clip_metrics
+from stppo.algos.contract import LossInputs, loss_mode
+from stppo.algos.ratios import RATIO_LEVELS, importance_ratio, log_ratio
+from stppo.algos.surrogate import clipped_surrogate, surrogate_parts
 from stppo.algos.turn_clip import turn_clip_policy_loss
 
-TOKEN_TENSORS = ("log_probs", "old_log_probs", "advantages", "loss_mask", "turn_ids")
+@loss_mode("clip", ratio_levels=RATIO_LEVELS, dual_clip=True, separable=True, clip_bias=True,
+           source="PPO clipped surrogate (arXiv 1707.06347); ST-PPO's turn ratios and clip-bias scales "
+                  "(arXiv 2511.20718)")
+def clip(x: LossInputs, spec) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The clipped policy loss of every clip-path preset, its metrics and κ (module docstring).
+
+    At the spec's ratio level (token / turn / sequence) and clip range (with its dual clip), the
+    clip-bias scale λ of `spec.clip_bias` (`stppo.algos.clip_bias`; its `grad` estimator reads
+    `x.params` or `x.clip_bias_grad_norm`), aggregated by `spec.loss_agg` over the agent tokens
+    with `x.global_denoms`; under data parallelism (`x.reduce`) clip_bias/norm and λ are those of
+    the whole batch, identical on every shard, the other metrics this shard's. Rollout IS weights
+    ω (`x.rollout_is_weights`) enter as advantages ωA: the surrogate is positively homogeneous in
+    A — clipping reads A's sign only and ω ≥ 0 — so s(ρ, ωA) = ω s(ρ, A) exactly; the clip
+    fractions and κ are then counted with the unweighted A, as verl counts them
+    (`clip_metrics.clip_fractions`). Metrics: fractions, ratio statistics and PPO_KL (mean −δ)
+    token-weighted over agent tokens; CLIP_BIAS_SCALE the mean λ (over trajectories with agent
+    tokens when per sequence); CLIP_BIAS_TRIGGERED 1.0 if any λ < 1; PG_LOSS the loss."""
+    if x.rollout_is_weights is None:
+        return _clip(x, spec, x.advantages)
+    weighted = torch.where(x.loss_mask, x.advantages * x.rollout_is_weights, x.advantages)
+    loss, metrics, _ = _clip(x, spec, weighted)
+    counts, clipped = clip_fractions(x.log_probs, x.old_log_probs, x.advantages, x.loss_mask, x.turn_ids,
+                                     ratio_level=spec.ratio_level, clip_low=spec.clip_low,
+                                     clip_high=spec.clip_high)
+    return loss, {**metrics, **counts}, clipped
 
 
-def check_token_tensors(**tensors: torch.Tensor) -> None:
-    """Every argument is a (N, T) tensor of the first one's shape; else one-line ValueError."""
-    shape = None
-    for name, x in tensors.items():
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor of shape (N, T), "
-                             f"got {type(x).__name__}")
-        if x.dim() != 2:
-            raise ValueError(f"{name} must have shape (N, T), got {tuple(x.shape)}")
-        if shape is None:
-            shape, first = x.shape, name
-        elif x.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
-                             f"(the shape of {first})")
-
-
-def _check_args(log_probs, loss_mask, turn_ids, ratio_level, clip_low, clip_high, loss_agg,
-                dual_clip) -> None:
-    if not log_probs.is_floating_point():
-        raise ValueError(f"log_probs must be a floating tensor, got {log_probs.dtype}")
-    if loss_mask.dtype != torch.bool:
-        raise ValueError(f"loss_mask must be a bool tensor, got {loss_mask.dtype}")
-    if turn_ids.is_floating_point() or turn_ids.dtype == torch.bool:
-        raise ValueError(f"turn_ids must be an integer tensor, got {turn_ids.dtype}")
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level={ratio_level!r} is not valid; allowed: "
-                         f"{', '.join(RATIO_LEVELS)}")
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg={loss_agg!r} is not valid; allowed: {', '.join(LOSS_AGGS)}")
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if not clip_high > 0.0:
-        raise ValueError(f"clip_high must be > 0, got {clip_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
-
-
-def clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                     advantages: torch.Tensor, loss_mask: torch.Tensor, turn_ids: torch.Tensor, *,
-                     ratio_level: str, clip_low: float, clip_high: float, loss_agg: str,
-                     correction: Any = None, dual_clip: Optional[float] = None,
-                     global_denoms: GlobalDenoms = None,
-                     params: Optional[Iterable[torch.Tensor]] = None, reduce: Reduce = None,
-                     correction_grad_norm: Optional[torch.Tensor] = None,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss of every clip-path preset and its diagnostics (`policy_loss`
-    with loss_mode='clip', no options, no rollout IS weights comes here).
-
-    Args:
-      log_probs (N, T): log π_θ of each token (with graph). old_log_probs (N, T): log π_old.
-      advantages (N, T). loss_mask (N, T) bool: agent tokens. turn_ids (N, T) long: turn of each
-        agent token (used by ratio_level='turn'). Non-agent positions may hold anything (nan/inf).
-      ratio_level: 'token' | 'turn' | 'sequence'. clip_low, clip_high: ε_low ∈ [0, 1), ε_high > 0.
-      loss_agg: see `agg_loss`. correction: None or a mapping/dataclass with kind, tau,
-        estimator, granularity (see `stppo.algos.clip_bias`). dual_clip: None or c > 1.
-      global_denoms: (D_tok, D_seq) summed over shards, or None. params: the policy parameters,
-        needed by correction estimator 'grad' only. reduce: data parallelism — an all-reduce
-        sum over the shards (needs global_denoms); clip_bias/norm and the correction's λ are then
-        those of the whole batch, identical on every shard. The other metrics stay per shard.
-      correction_grad_norm: 0-d ‖C‖ of estimator 'grad' computed by the caller, in place of
-        `params` (the trainer's micro-batches sum C over several backward passes).
-    Returns:
-      loss (0-d, with graph) and metrics: detached 0-d tensors keyed by `stppo.metric_names`
-      constants. Fractions, ratio statistics and PPO_KL (mean −δ) are token-weighted over agent
-      tokens; CLIP_BIAS_SCALE is the mean λ (over trajectories with agent tokens when per
-      sequence); CLIP_BIAS_TRIGGERED is 1.0 if any λ < 1. PG_LOSS is the returned loss.
-    """
-    check_token_tensors(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                        loss_mask=loss_mask, turn_ids=turn_ids)
-    _check_args(log_probs, loss_mask, turn_ids, ratio_level, clip_low, clip_high, loss_agg,
-                dual_clip)
-    spec = resolve_correction(correction)
-    params = list(params) if params is not None else None
-    if reduce is not None and global_denoms is None:
-        raise ValueError("policy_loss: reduce (data parallelism) needs global_denoms")
-
-    if ratio_level == "turn":
-        return turn_clip_policy_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids,
-                                     clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
-                                     spec=spec, dual_clip=dual_clip, global_denoms=global_denoms,
-                                     params=params, reduce=reduce,
-                                     correction_grad_norm=correction_grad_norm)
-    delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
-    rho = RATIO_LEVELS[ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
-    t = _token_terms(rho, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
-                     loss_agg=loss_agg, dual_clip=dual_clip, global_denoms=global_denoms,
-                     reduce=reduce)
+def _clip(x: LossInputs, spec, advantages: torch.Tensor):
+    params = list(x.params) if x.params is not None else None
+    if spec.ratio_level == "turn":
+        loss, metrics = turn_clip_policy_loss(
+            x.log_probs, x.old_log_probs, advantages, x.loss_mask, x.turn_ids, clip_low=spec.clip_low,
+            clip_high=spec.clip_high, loss_agg=spec.loss_agg, spec=spec.clip_bias, dual_clip=spec.dual_clip,
+            global_denoms=x.global_denoms, params=params, reduce=x.reduce,
+            clip_bias_grad_norm=x.clip_bias_grad_norm)
+        return loss, metrics, ratio_and_clip(x.log_probs, x.old_log_probs, advantages, x.loss_mask,
+                                             x.turn_ids, spec)[1]
+    loss_mask, turn_ids = x.loss_mask, x.turn_ids
+    delta = log_ratio(x.log_probs, x.old_log_probs, loss_mask)  # (N, T) with graph
+    rho = RATIO_LEVELS[spec.ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph
+    t = _token_terms(rho, advantages, loss_mask, clip_low=spec.clip_low, clip_high=spec.clip_high,
+                     loss_agg=spec.loss_agg, dual_clip=spec.dual_clip, global_denoms=x.global_denoms,
+                     reduce=x.reduce)
     scale, extra = None, {}
-    if spec is not None:
+    if spec.clip_bias is not None:
         ctx = ClipContext(
             t.bias_norm, t.bias_sq.sum(dim=1), t.lengths,
             rms_sums=lambda: clip_rms_sums(t.ratio, t.adv, t.parts.clipped, loss_mask),
-            bias_term=lambda: clip_bias_term(rho, t.adv, t.parts.clipped, loss_mask, loss_agg,
+            bias_term=lambda: clip_bias_term(rho, t.adv, t.parts.clipped, loss_mask, spec.loss_agg,
                                              weights=t.w_corr),
-            params=params, reduce=reduce, grad_norm=correction_grad_norm)
-        scale, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
+            params=params, reduce=x.reduce, grad_norm=x.clip_bias_grad_norm)
+        scale, extra = CLIP_BIAS_KINDS[spec.clip_bias.kind].apply(ctx, spec.clip_bias)
     loss = _assemble(rho, t.parts, t.w_loss, scale)
     metrics = _token_metrics(loss, t, delta, scale)
     metrics.update(extra)
-    return loss, metrics
+    return loss, metrics, t.parts.clipped
+
+
+def ratio_and_clip(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                   loss_mask: torch.Tensor, turn_ids: torch.Tensor,
+                   spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ρ at the spec's ratio level, κ the clip path's clip indicator) (N, T), detached: what
+    callers read per token (`policy.LossOutput`) when the loss mode does not give κ itself."""
+    ratio, _ = importance_ratio(log_probs.detach(), old_log_probs, loss_mask, turn_ids,
+                                spec.ratio_level)
+    adv = torch.where(loss_mask, advantages, 0.0)
+    clipped = clipped_surrogate(ratio, adv, spec.clip_low, spec.clip_high, spec.dual_clip).clipped
+    return ratio, clipped
 
 
 class _TokenTerms(NamedTuple):

@@ -1,10 +1,11 @@
 """Every named loss, defined once — one registry, `PRESETS` (docs/design.md §2).
 
 `conf/algo/<name>.yaml` names a preset and nothing else; a run's `algo` overrides turn the preset
-into its `LossSpec` (`stppo.algos.spec`). A researcher's own preset is a file of their own
-(`stppo.algos.plugins`). The paper's eight:
+into its `LossSpec` (`stppo.algos.spec`). A researcher's own presets are rows of the same shape
+in their own package, registered by `register_preset` when the package is loaded (`stppo.plugins`,
+docs/extending.md). The paper's eight:
 
-| preset   | ratio    | correction     | advantage | critic |
+| preset   | ratio    | clip_bias      | advantage | critic |
 |----------|----------|----------------|-----------|--------|
 | ppo      | token    | none           | gae       | yes    |
 | turn_ppo | turn     | none           | gae       | yes    |
@@ -16,7 +17,7 @@ into its `LossSpec` (`stppo.algos.spec`). A researcher's own preset is a file of
 | so_grpo  | turn     | clip_triggered | grpo      | no     |
 
 Defaults shared by all presets: loss_agg 'seq-mean-token-mean' (the paper's 1/|y| form), clip
-range 0.2/0.2; τ of the correction from `stppo.algos.clip_bias.DEFAULT_TAU` (clip_bias_norm 0.5,
+range 0.2/0.2; τ of the clip-bias scale from `stppo.algos.clip_bias.DEFAULT_TAU` (clip_bias_norm 0.5,
 clip_triggered 2.0 — this suite's choice, the paper's values are not public), estimator 'token',
 granularity 'batch'.
 
@@ -52,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from stppo.algos.clip_bias import CORRECTIONS, Correction
+from stppo.algos.clip_bias import CLIP_BIAS_KINDS, ClipBias
 from stppo.algos.spec import DEFAULT_CLIP, DEFAULT_LOSS_AGG, LossSpec
 from stppo.registry import Registry
 
@@ -65,24 +66,25 @@ class Preset:
 
     name: str
     ratio_level: str  # RATIO_LEVELS
-    correction: str  # CORRECTIONS kind
+    clip_bias: str  # CLIP_BIAS_KINDS kind
     advantage: str  # ADVANTAGE_ESTIMATORS
     use_critic: bool
     loss_agg: str = DEFAULT_LOSS_AGG  # LOSS_AGGS
-    tau: Optional[float] = None  # correction τ; None → the kind's default (DEFAULT_TAU)
+    tau: Optional[float] = None  # the clip-bias scale's τ; None → the kind's default (DEFAULT_TAU)
     loss_mode: str = "clip"  # stppo.algos.modes.LOSS_MODES
     options: Optional[Mapping[str, float]] = field(default=None, hash=False)  # the mode's, over its defaults
     clip_low: float = DEFAULT_CLIP  # ε_low
     clip_high: float = DEFAULT_CLIP  # ε_high
+    dual_clip: Optional[float] = None  # c > 1 for the modes that have a dual clip, or None
     dynamic_sampling: bool = False  # DAPO's (conf: algo.dynamic_sampling.enabled)
     overlong: bool = False  # DAPO's overlong reward shaping (conf: algo.overlong.enabled)
 
     def __post_init__(self) -> None:
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"preset {self.name!r}: correction={self.correction!r} is not valid; "
-                             f"allowed: {', '.join(CORRECTIONS)}")
+        if self.clip_bias not in CLIP_BIAS_KINDS:
+            raise ValueError(f"preset {self.name!r}: clip_bias={self.clip_bias!r} is not valid; "
+                             f"allowed: {', '.join(CLIP_BIAS_KINDS)}")
         if self.tau is None:
-            object.__setattr__(self, "tau", CORRECTIONS[self.correction].default_tau)
+            object.__setattr__(self, "tau", CLIP_BIAS_KINDS[self.clip_bias].default_tau)
         try:
             spec = self.spec()
         except ValueError as e:
@@ -93,8 +95,8 @@ class Preset:
         """The preset's `LossSpec`, with `changes` (LossSpec fields) applied."""
         base = LossSpec(
             name=self.name, ratio_level=self.ratio_level, clip_low=self.clip_low,
-            clip_high=self.clip_high, loss_agg=self.loss_agg,
-            correction=None if self.correction == "none" else Correction(self.correction, self.tau),
+            clip_high=self.clip_high, dual_clip=self.dual_clip, loss_agg=self.loss_agg,
+            clip_bias=None if self.clip_bias == "none" else ClipBias(self.clip_bias, self.tau),
             loss_mode=self.loss_mode, options=dict(self.options or {}), advantage=self.advantage,
             use_critic=self.use_critic)
         return base.replace(**changes) if changes else base
@@ -145,3 +147,5 @@ for _name, _level, _adv, _fixed in (
     ("tir_optimal_token_baseline", "token", "tir_optimal_token_baseline", dict(loss_agg=TOKEN_MEAN)),
 ):
     register_preset(Preset(_name, _level, "none", _adv, False, **_fixed))
+
+BUILT_IN: tuple[str, ...] = tuple(PRESETS)  # stppo's own presets (a plugin's register after these)

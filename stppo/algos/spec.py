@@ -3,7 +3,9 @@
 A preset (`stppo.algos.presets`) is the one definition of a named loss; a run's `algo` config
 turns it — with the run's overrides (clip range, τ, options, …) — into one frozen `LossSpec` at
 start (`stppo.config.AlgoConfig.spec`). The own trainer, data parallelism, the verl plugin and
-every check read that object; `policy_loss(..., spec)` takes it. An invalid value is one
+every check read that object; `policy_loss(..., spec)` takes it, and a loss mode reads its
+fields (`stppo.algos.contract`). An invalid value — a field out of range, or one the loss mode
+does not declare it can take (ratio level, dual clip, clip-bias scale, options) — is one
 `ValueError` naming the field (`algo.<field>`), raised here and nowhere else.
 """
 
@@ -17,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from stppo.algos.advantages import ADVANTAGE_ESTIMATORS, OLD_POLICY_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
-from stppo.algos.clip_bias import Correction
+from stppo.algos.clip_bias import ClipBias
 from stppo.algos.ratios import RATIO_LEVELS
 from stppo.algos.rollout_corr.presets import ROLLOUT_CORRECTIONS, resolve
 
@@ -92,7 +94,7 @@ class RolloutCorrection:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A run's policy loss. `correction`: None or a `Correction` (kind, τ, estimator,
+    """A run's policy loss. `clip_bias`: None or a `ClipBias` (kind, τ, estimator,
     granularity); `options`: the loss mode's resolved options (its defaults updated with the
     given ones); `advantage` and `use_critic`: the estimator that feeds the loss."""
 
@@ -102,7 +104,7 @@ class LossSpec:
     clip_high: float = DEFAULT_CLIP
     dual_clip: Optional[float] = None
     loss_agg: str = DEFAULT_LOSS_AGG
-    correction: Optional[Correction] = None
+    clip_bias: Optional[ClipBias] = None
     loss_mode: str = "clip"
     options: Mapping[str, float] = field(default_factory=dict, hash=False)
     rollout_correction: RolloutCorrection = RolloutCorrection()
@@ -110,7 +112,7 @@ class LossSpec:
     use_critic: bool = True
 
     def __post_init__(self) -> None:
-        from stppo.algos.modes import LOSS_MODES, check_loss_mode
+        from stppo.algos.modes import LOSS_MODES, resolve_options
 
         _one_of("ratio_level", self.ratio_level, RATIO_LEVELS)
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
@@ -123,46 +125,53 @@ class LossSpec:
             _fail("dual_clip", f" must be null or > 1, got {self.dual_clip}")
         if not (self.advantage in CRITIC_FREE_ADVANTAGES or self.use_critic):
             _fail("advantage", f"={self.advantage} needs a critic: set algo.use_critic=true")
-        if self.correction is not None and not isinstance(self.correction, Correction):
-            raise ValueError(f"algo.correction must be a Correction or None, got "
-                             f"{type(self.correction).__name__}")
-        if self.correction is not None and self.correction.kind == "none":
-            object.__setattr__(self, "correction", None)
+        if self.clip_bias is not None and not isinstance(self.clip_bias, ClipBias):
+            raise ValueError(f"algo.clip_bias must be a ClipBias or None, got "
+                             f"{type(self.clip_bias).__name__}")
+        if self.clip_bias is not None and self.clip_bias.kind == "none":
+            object.__setattr__(self, "clip_bias", None)
         if not isinstance(self.rollout_correction, RolloutCorrection):
             raise ValueError(f"algo.rollout_correction must be a RolloutCorrection, got "
                              f"{type(self.rollout_correction).__name__}")
         _one_of("loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        mode = LOSS_MODES[self.loss_mode]  # what the mode declares it can take
+        if self.ratio_level not in mode.ratio_levels:
+            raise ValueError(f"algo: loss_mode={self.loss_mode!r} is defined at ratio_level "
+                             f"{' | '.join(mode.ratio_levels)}, got {self.ratio_level!r}")
+        if self.clip_bias is not None and not mode.clip_bias:
+            raise ValueError(f"algo: loss_mode={self.loss_mode!r} takes no clip-bias scale (got "
+                             f"{self.clip_bias.kind!r}); the scales apply to loss_mode='clip'")
+        if self.dual_clip is not None and not mode.dual_clip:
+            raise ValueError(f"algo: loss_mode={self.loss_mode!r} has no dual clip; set dual_clip to null")
         try:
-            opts = check_loss_mode(self.loss_mode, ratio_level=self.ratio_level,
-                                   correction_kind=self.correction_kind, dual_clip=self.dual_clip,
-                                   options=dict(self.options))
+            opts = resolve_options(self.loss_mode, dict(self.options))
         except ValueError as e:
             raise ValueError(f"algo: {e}") from None
         object.__setattr__(self, "options", MappingProxyType(opts))
         rc = self.rollout_correction
-        if rc.reinforce and (self.loss_mode, self.ratio_level, self.correction) != ("clip", "token", None):
+        if rc.reinforce and (self.loss_mode, self.ratio_level, self.clip_bias) != ("clip", "token", None):
             _fail("rollout_correction", f"={rc.name} replaces the policy loss with verl's bypass "
                   f"REINFORCE loss (no ratio, no clip); it needs a preset on the plain clip path "
-                  f"(loss_mode clip, ratio_level token, no correction), got loss_mode "
-                  f"{self.loss_mode}, ratio_level {self.ratio_level}, correction {self.correction_kind}")
+                  f"(loss_mode clip, ratio_level token, no clip_bias), got loss_mode "
+                  f"{self.loss_mode}, ratio_level {self.ratio_level}, clip_bias {self.clip_bias_kind}")
         if rc.bypass_mode and self.advantage in OLD_POLICY_ESTIMATORS:
             _fail("rollout_correction", f"={rc.name} takes the sampler's log-probs as π_old (no "
                   f"old-policy forward), but advantage={self.advantage} reads that forward's "
                   f"Σπ²: use a decoupled correction (e.g. decoupled_token_is) or none")
 
     @property
-    def correction_kind(self) -> str:
-        return "none" if self.correction is None else self.correction.kind
+    def clip_bias_kind(self) -> str:
+        return "none" if self.clip_bias is None else self.clip_bias.kind
 
     @property
     def separable(self) -> bool:
         """Whether the loss of a batch is the sum of its parts' losses under the batch's
         denominators (gradient accumulation may backward each part's own share): no statistic
-        of the whole batch enters a token's term — no single λ of a correction (granularity
+        of the whole batch enters a token's term — no single λ of a clip-bias scale (granularity
         'batch'), no batch-level choice of the loss mode (`LossMode.separable`)."""
         from stppo.algos.modes import LOSS_MODES
 
-        c, rc = self.correction, self.rollout_correction
+        c, rc = self.clip_bias, self.rollout_correction
         batch_weights = rc.bypass_mode and rc.applies_weights and rc.rollout_is_batch_normalize
         return (LOSS_MODES[self.loss_mode].separable and (c is None or c.granularity == "sequence")
                 and not batch_weights)
@@ -174,7 +183,7 @@ class LossSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-able): what travels to verl's workers (`from_dict` inverts it)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["correction"] = None if self.correction is None else dataclasses.asdict(self.correction)
+        d["clip_bias"] = None if self.clip_bias is None else dataclasses.asdict(self.clip_bias)
         d["rollout_correction"] = self.rollout_correction.to_dict()
         d["options"] = dict(self.options)
         return d
@@ -182,7 +191,7 @@ class LossSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LossSpec":
         d = dict(d)
-        c = d.get("correction")
-        d["correction"] = None if c is None else Correction(**c)
+        c = d.get("clip_bias")
+        d["clip_bias"] = None if c is None else ClipBias(**c)
         d["rollout_correction"] = RolloutCorrection(**(d.get("rollout_correction") or {}))
         return cls(**d)

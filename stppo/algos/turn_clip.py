@@ -13,7 +13,7 @@ With β_{k,c} the bound of a binding clip (1 + ε_high for c = +, 1 − ε_low o
 c = −) and r_{k,c} = β_{k,c} when it binds, ρ^k otherwise:
 
     C^k = −Σ_{c unclipped} S_{k,c},   B^k = −Σ_{c clipped} β_{k,c} S_{k,c}
-    loss = Σ_i c_i λ_i Σ_k (ρ^k C^k + B^k)                        (w = m c, λ the correction)
+    loss = Σ_i c_i λ_i Σ_k (ρ^k C^k + B^k)                        (w = m c, λ the clip-bias scale)
     Σ_{t∈k} s_t² = Σ_c r_{k,c}² Q_{k,c}      Σ_{t∈k} κ(ρA)² = (ρ^k)² (κ_high^k Q_{k,+} + κ_low^k Q_{k,−})
     #κ_high = Σ_k κ_high^k n_{k,+}           #κ_low = Σ_k κ_low^k n_{k,−}
 
@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from stppo.algos.aggregation import GlobalDenoms, agg_row_weights, mask_float
-from stppo.algos.clip_bias import CORRECTIONS, ClipContext, Correction, Reduce
+from stppo.algos.clip_bias import CLIP_BIAS_KINDS, ClipContext, ClipBias, Reduce
 from stppo.algos.clip_metrics import clip_metrics
 from stppo.algos.ratios import LOG_RATIO_CLAMP
 from stppo.algos.segments import INTERLEAVE as B, _segment_sum, segment_ids
@@ -142,10 +142,10 @@ def _clip(rho: torch.Tensor, clip_low: float, clip_high: float,
 def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                           advantages: torch.Tensor, loss_mask: torch.Tensor,
                           turn_ids: torch.Tensor, *, clip_low: float, clip_high: float,
-                          loss_agg: str, spec: Optional[Correction],
+                          loss_agg: str, spec: Optional[ClipBias],
                           dual_clip: Optional[float], global_denoms: GlobalDenoms,
                           params: Optional[list[torch.Tensor]], reduce: Reduce,
-                          correction_grad_norm: Optional[torch.Tensor] = None,
+                          clip_bias_grad_norm: Optional[torch.Tensor] = None,
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`clip_policy_loss` at ratio_level='turn' (arguments checked there); same loss, gradient
     and metrics as the token-by-token computation, up to float rounding."""
@@ -190,8 +190,8 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
     scale, extra = None, {}
     if spec is not None:
         ctx = ClipContext(bias_norm, bias_rows, lengths, rms_sums, bias_term, params, reduce,
-                          correction_grad_norm)
-        scale, extra = CORRECTIONS[spec.kind].apply(ctx, spec)
+                          clip_bias_grad_norm)
+        scale, extra = CLIP_BIAS_KINDS[spec.kind].apply(ctx, spec)
     with torch.no_grad():
         row_l = rows_loss if scale is None else rows_loss * scale  # (N,) λ folds in per row
         const_sum = (const.sum(1) * row_l).sum()

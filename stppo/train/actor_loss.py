@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from stppo.algos import (LossSpec, agg_denoms, agg_loss, agg_weights, clip_bias_term,
-                         clipped_surrogate, importance_ratio, kl_loss, policy_loss, turn_breakdown)
+from stppo.algos import (LossOutput, LossSpec, agg_denoms, agg_loss, agg_weights, clip_bias_term,
+                         importance_ratio, kl_loss, policy_loss, turn_breakdown)
 from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
 from stppo.batch import Batch
@@ -32,19 +32,19 @@ class Scope:
     denoms: (D_tok, D_seq) of the whole minibatch (over ranks), or None for the call's own counts.
     reduce: the all-reduce sum of the loss's batch statistics over ranks, or None.
     metrics: whether the call reports the step's metrics (a micro-batch's share does not).
-    correction_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches).
+    clip_bias_grad_norm: the `grad` estimator's ‖C‖ when the caller computed it (micro-batches).
     gather: every rank's rows (`Dist.gather_rows`) for the rollout correction's statistics, or None."""
 
     denoms: GlobalDenoms = None
     reduce: Reduce = None
     metrics: bool = True
-    correction_grad_norm: Optional[torch.Tensor] = None
+    clip_bias_grad_norm: Optional[torch.Tensor] = None
     gather: Gather = None
 
 
-def whole(mb: Batch, d: Dist, correction_grad_norm: Optional[torch.Tensor] = None) -> Scope:
+def whole(mb: Batch, d: Dist, clip_bias_grad_norm: Optional[torch.Tensor] = None) -> Scope:
     """The minibatch in one call (this rank's rows of it under data parallelism, docs/design.md §5)."""
-    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, correction_grad_norm,
+    return Scope(d.global_denoms(mb.loss_mask), d.reduce, True, clip_bias_grad_norm,
                  d.gather_rows if d.active else None)
 
 
@@ -59,7 +59,7 @@ def old_log_probs(lp: torch.Tensor, mb: Batch) -> torch.Tensor:
 
 
 def grad_estimator(spec: LossSpec) -> bool:
-    return spec.correction is not None and spec.correction.estimator == "grad"
+    return spec.clip_bias is not None and spec.clip_bias.estimator == "grad"
 
 
 def policy_inputs(lp: torch.Tensor, old: torch.Tensor, mb: Batch, spec: LossSpec, scope: Scope,
@@ -76,9 +76,10 @@ def policy_inputs(lp: torch.Tensor, old: torch.Tensor, mb: Batch, spec: LossSpec
 
 
 def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContext,
-               scope: Scope, params: Optional[list] = None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of rows `mb` from their log-probs `lp` and entropies `ent` (n, T).
-    `params`: the policy parameters, read by the `grad` estimator unless `scope` brings ‖C‖."""
+               scope: Scope, params: Optional[list] = None) -> tuple[torch.Tensor, dict, LossOutput]:
+    """(loss, metrics, the policy loss's output — its ρ and κ per token) of rows `mb` from their
+    log-probs `lp` and entropies `ent` (n, T). `params`: the policy parameters, read by the
+    `grad` estimator unless `scope` brings ‖C‖."""
     algo, spec, d = ctx.algo, ctx.algo.spec, ctx.dist
     old = old_log_probs(lp, mb)
     grad_est = grad_estimator(spec)
@@ -86,7 +87,7 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContex
     out = policy_loss(lp, old, mb.advantages, mask, mb.turn_ids, spec,
                       global_denoms=denoms, reduce=scope.reduce,
                       params=params if grad_est else None, rollout_is_weights=weights,
-                      correction_grad_norm=scope.correction_grad_norm if grad_est else None,
+                      clip_bias_grad_norm=scope.clip_bias_grad_norm if grad_est else None,
                       segment_ids=mb.segment_ids)
     loss, m = out.loss, out.metrics
     entropy = agg_loss(ent, mb.loss_mask, spec.loss_agg, scope.denoms)
@@ -103,16 +104,17 @@ def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContex
             m.update({k: d.all_sum(v) for k, v in km.items()})
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * entropy
-    return loss, m
+    return loss, m, out
 
 
-def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDenoms, *,
-                 as_corrected: bool = False) -> torch.Tensor:
+def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDenoms,
+                 clipped: torch.Tensor, *, as_corrected: bool = False) -> torch.Tensor:
     """agg(κ ρ A) of rows `mb` with lp's graph — its gradient is the clipping bias C — weighted
-    as in the minibatch (`denoms`), so the parts' terms sum to the minibatch's. `as_corrected`:
-    the term the `grad` estimator corrects with, ωA in place of A under the rollout correction's IS
-    weights (the clip path's advantages, `stppo.algos.modes`); else the diagnostic's, with A.
-    Over the tokens the policy loss aggregates (a rollout correction's rejection applied)."""
+    as in the minibatch (`denoms`), so the parts' terms sum to the minibatch's; κ (n, T) as the
+    policy loss of these rows returned it (`LossOutput.clipped`). `as_corrected`: the term the
+    `grad` estimator scales by, ωA in place of A under the rollout correction's IS weights (the
+    clip path's advantages, `stppo.algos.loss`); else the diagnostic's, with A. Over the tokens
+    the policy loss aggregates (a rollout correction's rejection applied)."""
     old = old_log_probs(lp, mb)
     mask, w, bypass_denoms, _ = policy_inputs(lp, old, mb, spec, share(denoms))
     denoms = denoms if denoms is not None else bypass_denoms
@@ -121,9 +123,20 @@ def clip_bias_of(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDeno
         adv = mb.advantages * w
     ratio, _ = importance_ratio(lp, old, mask, mb.turn_ids, spec.ratio_level)  # with graph
     adv = torch.where(mask, adv, 0.0)
-    clipped = clipped_surrogate(ratio, adv, spec.clip_low, spec.clip_high, spec.dual_clip).clipped
     w = agg_weights(mask, spec.loss_agg, denoms, ratio.dtype)
     return clip_bias_term(ratio, adv, clipped, mask, spec.loss_agg, weights=w)
+
+
+def loss_clipped(lp: torch.Tensor, mb: Batch, spec: LossSpec, denoms: GlobalDenoms) -> torch.Tensor:
+    """κ of rows `mb` from a policy loss call on their detached log-probs, without the clip-bias
+    scale: for the one pass that needs κ before the loss exists (the `grad` estimator's ‖C‖
+    over micro-batches, `stppo.train.microbatch`)."""
+    with torch.no_grad():
+        lp = lp.detach()
+        old = old_log_probs(lp, mb)
+        mask, weights, d, _ = policy_inputs(lp, old, mb, spec, share(denoms))
+        return policy_loss(lp, old, mb.advantages, mask, mb.turn_ids, spec.replace(clip_bias=None),
+                           global_denoms=d, rollout_is_weights=weights, segment_ids=mb.segment_ids).clipped
 
 
 def diagnostics(out, lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, mb: Batch,

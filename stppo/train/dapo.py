@@ -20,43 +20,29 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 
 from stppo import metric_names as K
 from stppo.algos import groups_with_signal, overlong_penalty
-from stppo.batch import PER_TOKEN, Batch
-from stppo.cache import content_hash
+from stppo.batch import Batch, concat_batches, rows
 from stppo.config import Config, DynamicSamplingConfig
-from stppo.rollout import RolloutConfig, rollout
 from stppo.rollout.episodes import pad_token_id
+from stppo.train.sampler import step_seed
 
-PAD = {"attention_mask": False, "loss_mask": False, "turn_ids": -1}  # else 0 (input_ids: pad id)
-
-
-def _seed(seed: int, step: int, salt: str) -> int:
-    return int(content_hash(seed, step, salt), 16) % (2**62)
-
-
-def shape_batch(batch: Batch, cfg: Config, comps, rc: RolloutConfig, step: int,
-                salt: str, sample: Callable[[list, int], Batch] | None = None,
-                ) -> tuple[Batch, dict[str, float]]:
+def shape_batch(batch: Batch, cfg: Config, comps, step: int, salt: str,
+                sample: Callable[[list, int], Batch]) -> tuple[Batch, dict[str, float]]:
     """The training batch from the step's rollout `batch` (the rollout itself when neither
     dynamic sampling nor overlong shaping is on) and their metrics. `comps`: the trainer's
-    Components; `salt` tells data-parallel ranks apart. `sample(questions, round)` rolls out a
-    refill (stale rollouts: by the step's older policies); None: the policy, seeded below."""
+    Components; `salt` tells data-parallel ranks apart; `sample(questions, round)` rolls out a
+    refill, as the step's sampler does (`stppo.train.sampler`: the live policy or the step's
+    older ones)."""
     a, metrics = cfg.algo, {}
     if a.dynamic_sampling.enabled:
-        def roll(questions, r: int) -> Batch:
-            if sample is not None:
-                return sample(questions, r)
-            gen = torch.Generator().manual_seed(_seed(cfg.seed, step, f"{salt}-refill{r}"))
-            return rollout(comps.policy, comps.tokenizer, comps.env, questions, rc, generator=gen)
-
-        rng = random.Random(_seed(cfg.seed, step, f"{salt}-refill-questions"))
-        batch, metrics = refill(batch, roll, comps.task.split("train"), cfg.trainer.group_size,
+        rng = random.Random(step_seed(cfg.seed, step, f"{salt}-refill-questions"))
+        batch, metrics = refill(batch, sample, comps.task.split("train"), cfg.trainer.group_size,
                                 a.dynamic_sampling, rng, pad_token_id(comps.tokenizer))
     if a.overlong.enabled:
         o = a.overlong
@@ -98,48 +84,7 @@ def group_order(batch: Batch) -> list[int]:
     return list(dict.fromkeys(batch.group_ids.tolist()))
 
 
-def rows(batch: Batch, index: torch.Tensor) -> Batch:
-    """`batch.select(index)` with the per-row lists of `meta` selected too."""
-    out = batch.select(index)
-    idx = torch.arange(len(batch))[index].tolist()
-    meta = {k: [v[i] for i in idx] if isinstance(v, list) and len(v) == len(batch) else v
-            for k, v in batch.meta.items()}
-    return replace(out, meta=meta)
-
-
 def first_groups(batch: Batch, n: int) -> Batch:
     """The rows of the first `n` groups (in order of appearance)."""
     chosen = torch.tensor(group_order(batch)[:n], dtype=batch.group_ids.dtype)
     return rows(batch, torch.isin(batch.group_ids, chosen))
-
-
-def concat_batches(parts: Sequence[Batch], pad_id: int) -> Batch:
-    """Rows of `parts` in order, right-padded to the longest; group ids renumbered so that groups
-    of different parts never merge. Per-token fields must be set in all parts or in none."""
-    parts = [p for p in parts if len(p) > 0]
-    if len(parts) == 1:
-        return parts[0]
-    t = max(p.input_ids.shape[1] for p in parts)
-    out, offset, gids = {}, 0, []
-    for p in parts:
-        gids.append(p.group_ids + offset)
-        offset += int(p.group_ids.max()) + 1
-    for f in fields(Batch):
-        xs = [getattr(p, f.name) for p in parts]
-        if f.name == "group_ids":
-            out[f.name] = torch.cat(gids)
-        elif f.name == "meta":  # per-row lists are joined; anything else is the first part's
-            out[f.name] = {k: sum((p.meta[k] for p in parts), []) if all(
-                isinstance(p.meta.get(k), list) for p in parts) else v
-                for k, v in parts[0].meta.items()}
-        elif all(x is None for x in xs):
-            out[f.name] = None
-        elif any(x is None for x in xs):
-            raise ValueError(f"concat_batches: Batch.{f.name} is set in some parts only")
-        elif f.name in PER_TOKEN:
-            fill = pad_id if f.name == "input_ids" else PAD.get(f.name, 0)
-            out[f.name] = torch.cat([torch.nn.functional.pad(x, (0, t - x.shape[1]), value=fill)
-                                     for x in xs])
-        else:
-            out[f.name] = torch.cat(xs)
-    return Batch(**out)

@@ -23,7 +23,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,29 +33,24 @@ from stppo import metric_names as K
 from stppo.algos import group_signal_fractions
 from stppo.alarms import AlarmSet
 from stppo.batch import Batch
-from stppo.cache import content_hash
-from stppo.config import Config, OffPolicyConfig
+from stppo.config import Config, run_identity
 from stppo.diagnostics import collapse_detector
 from stppo.envs import Question
 from stppo.rollout import RolloutConfig, rollout
-from stppo.rollout.episodes import pad_token_id
 from stppo.tracker import Tracker
 from stppo.train import checkpoint, dapo
 from stppo.train.distributed import Dist
-from stppo.train.offpolicy import StaleSampler, draw_lags, live_log_probs, offpolicy_metrics
 from stppo.algos.kl import sampled_k3
 from stppo.train.prepare import FORWARD_CHUNK, eval_log_probs, prepare_batch
 from stppo.train.samples import SampleRecorder, sample_rows
+from stppo.train.offpolicy import sampler_class
+from stppo.train.sampler import step_seed
 from stppo.train.setup import Components
 from stppo.train.update import (UpdateContext, actor_update, critic_update,
                                 old_log_probs_from_update)
 
 log = logging.getLogger(__name__)
 VAL_CHUNK = 256
-
-
-def step_seed(seed: int, step: int, salt: str = "") -> int:
-    return int(content_hash(seed, step, salt), 16) % (2**62)
 
 
 def sample_questions(pool: list[Question], n: int, seed: int, step: int) -> list[Question]:
@@ -116,15 +110,8 @@ def validate(cfg: Config, comps: Components, d: Dist = Dist(), questions: int | 
 
 
 def run_dir_for(cfg: Config) -> Path:
-    """The run's checkpoint folder: same config (less resume/progress/tracking) ⇒ same folder."""
-    d = asdict(cfg)
-    for k in ("resume", "progress"):
-        d["trainer"].pop(k)
-    if d["trainer"]["offpolicy"] == asdict(OffPolicyConfig()):  # on-policy runs keep their folders
-        d["trainer"].pop("offpolicy")
-    d.pop("tracking")
-    name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{content_hash(d, length=8)}"
-    return Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name
+    """The run's checkpoint folder: same settings ⇒ same folder (`stppo.config.run_identity`)."""
+    return Path(cfg.trainer.out_dir) / cfg.tracking.experiment / run_identity(cfg)
 
 
 class Trainer:
@@ -144,11 +131,8 @@ class Trainer:
                                  max_turns=cfg.task.max_turns if cfg.diagnostics.per_turn else 0)
         self.skip_old = old_log_probs_from_update(cfg)
         self.device = next(comps.policy.parameters()).device
-        # trainer.offpolicy.lag > 0: rollouts by older policies (their snapshots are state)
-        self.stale = (StaleSampler(tr.offpolicy, comps.policy, precision=comps.precision,
-                                   chunk=tr.micro_batch_size or FORWARD_CHUNK,
-                                   pad_id=pad_token_id(comps.tokenizer))
-                      if tr.offpolicy.lag > 0 else None)
+        # who samples: the live policy, or older ones (trainer.offpolicy; their snapshots are state)
+        self.sampler = sampler_class(tr.offpolicy)(cfg, comps, rollout_config(cfg), dist)
         self.step = 0
         self.val_history: list[tuple[int, float]] = []
         # Last step already in MLflow per stream: a resumed run replays steps without re-logging.
@@ -173,9 +157,7 @@ class Trainer:
              "detector": self.detector.state_dict(), "opt_steps": self.ctx.opt_steps,
              "val_history": self.val_history, "run_id": self.tracker.run_id,
              "alarms": self.alarms.state_dict(), "rollbacks": self.rollbacks}
-        if self.stale is not None:  # the past policies a resumed run samples with
-            s["offpolicy"] = self.stale.history.state_dict()
-        return s
+        return s | self.sampler.state_dict()  # (stale: the past policies a resumed run samples with)
 
     def load_state_dict(self, s: dict) -> None:
         self.step = s["step"]
@@ -185,11 +167,7 @@ class Trainer:
         if "alarms" in s:
             self.alarms.load_state_dict(s["alarms"])
             self.rollbacks = s["rollbacks"]
-        if self.stale is not None:  # (a checkpoint without snapshots: the history starts here)
-            if "offpolicy" in s:
-                self.stale.history.load_state_dict(s["offpolicy"])
-            else:
-                self.stale.history.restart(self.step)
+        self.sampler.load_state_dict(s, self.step)
         self._load_weights(s)
 
     def _load_weights(self, s: dict) -> None:
@@ -263,20 +241,11 @@ class Trainer:
         qs = sample_questions(c.task.split("train"), cfg.trainer.questions_per_step, cfg.seed, step)
         salt = "rollout" if d.rank == 0 else f"rollout-rank{d.rank}"
         with c.precision.autocast():
-            if self.stale is None:
-                qs = [q for q in d.shard(qs) for _ in range(cfg.trainer.group_size)]  # whole groups
-                gen = torch.Generator().manual_seed(step_seed(cfg.seed, step, salt))
-                rolled = rollout(c.policy, c.tokenizer, c.env, qs, rollout_config(cfg), generator=gen)
-                refill = None
-            else:  # each group by the policy of its lag; the lags of the whole step, then shards
-                lags = d.shard(draw_lags(cfg.trainer.offpolicy, len(qs), step_seed(cfg.seed, step, "lags")))
-                rolled = self._stale_rollout(step, d.shard(qs), lags, salt)
-                refill = self._stale_refill(step, salt)
+            rolled = self.sampler.rollout(step, qs, salt)
             # DAPO's dynamic sampling / overlong shaping, when on (else the rollout itself):
-            batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, rollout_config(cfg), step, salt,
-                                                   sample=refill)
-        if self.stale is not None:
-            self.stale.history.record(step, c.policy)  # θ_{step-1}, before this step's update
+            batch, dapo_metrics = dapo.shape_batch(rolled, cfg, c, step, salt,
+                                                   self.sampler.refill(step, salt))
+        self.sampler.record(step)
         batch = batch.to(self.device)  # the rollout packs on the CPU; the update runs on the model's
         t_roll = time.perf_counter() - t0
         sampled = batch.loss_mask  # the agent tokens before a rollout correction's rejection
@@ -284,15 +253,12 @@ class Trainer:
                                        precision=c.precision, skip_old=self.skip_old,
                                        gather=d.gather_rows if d.active else None,
                                        chunk=cfg.trainer.micro_batch_size or FORWARD_CHUNK)
-        if self.stale is not None:
-            live = live_log_probs(batch, c.policy, cfg.algo.spec.rollout_correction.bypass_mode, c.precision,
-                                  cfg.trainer.micro_batch_size or FORWARD_CHUNK)
-            metrics.update(offpolicy_metrics(batch, d.reduce, agent_mask=sampled, live=live))
+        sampler_metrics, before = self.sampler.metrics(batch, sampled, d.reduce)
+        metrics.update(sampler_metrics)
         self.ctx.generator.manual_seed(step_seed(cfg.seed, step, "minibatches"))
         self.ctx.nan_at_first_minibatch = step in tuple(cfg.trainer.debug_nan_steps)
         if c.critic is None or step > cfg.trainer.critic_warmup:
             metrics.update(actor_update(c.policy, self.actor_opt, batch, self.ctx))
-            before = live if self.stale is not None else batch.old_log_probs
             metrics[K.STEP_KL] = step_kl(c.policy, batch, before, c.precision)
         else:
             metrics[K.SKIPPED_STEPS] = 0.0
@@ -343,31 +309,6 @@ class Trainer:
         out = {K.VAL_LIVE_SUCCESS_RATE: v, K.LIVE_CHECK_TIME: time.perf_counter() - t0}
         return out | self._observe(lambda: self.detector.observe_validation(step, v))
 
-    def _stale_rollout(self, step: int, groups: list[Question], lags: list[int], salt: str) -> Batch:
-        """The rank's groups, each rolled out by the policy of its lag (offpolicy.py); the rows
-        of age a draw from the generator of (seed, step, rank, a) — age 0's is the on-policy one."""
-        c, g = self.c, self.cfg.trainer.group_size
-        rc = rollout_config(self.cfg)
-
-        def roll(model, questions, gen, group_ids):
-            return rollout(model, c.tokenizer, c.env, questions, rc, group_ids=group_ids, generator=gen)
-
-        def generator(age: int) -> torch.Generator:
-            key = salt if age == 0 else f"{salt}-age{age}"
-            return torch.Generator().manual_seed(step_seed(self.cfg.seed, step, key))
-
-        return self.stale.sample(step, [q for q in groups for _ in range(g)], lags, roll, generator)
-
-    def _stale_refill(self, step: int, salt: str):
-        """DAPO's refill rollouts under stale rollouts: their groups draw lags too."""
-        g = self.cfg.trainer.group_size
-
-        def sample(questions: list, r: int) -> Batch:
-            n = len(questions) // g
-            lags = draw_lags(self.cfg.trainer.offpolicy, n, step_seed(self.cfg.seed, step, f"{salt}-refill{r}-lags"))
-            return self._stale_rollout(step, questions[::g], lags, f"{salt}-refill{r}")
-        return sample
-
     def _on_alarms(self, step: int, metrics: dict[str, float]) -> None:
         """Feed the alarms; log `alarm/<name>` for the ones that fire, then act (trainer.on_alarm)."""
         tr = self.cfg.trainer
@@ -379,8 +320,7 @@ class Trainer:
         elif fired and tr.on_alarm == "rollback" and self.rollbacks < tr.max_rollbacks:
             self.rollbacks += 1
             self._load_weights(self.snapshot)
-            if self.stale is not None:  # the rolled-back weights are the newest policy
-                self.stale.history.restart(step)
+            self.sampler.restart(step)  # (stale: the rolled-back weights are the newest policy)
             self.alarms.rearm(fired)
             log.warning("stppo: alarm %s at step %d; rolled back to the last checkpoint, learning "
                         "rates x%g (rollback %d of at most %d)", ", ".join(fired), step,

@@ -33,7 +33,7 @@ from stppo.algos.clip_bias import Reduce, grads_norm, term_grads
 from stppo.batch import Batch
 from stppo.models import policy_log_probs
 from stppo.metric_names import CLIP_BIAS_GRAD_NORM, VF_LOSS
-from stppo.train.actor_loss import actor_loss, clip_bias_of, grad_estimator, share, whole
+from stppo.train.actor_loss import actor_loss, clip_bias_of, grad_estimator, loss_clipped, share, whole
 from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
 
@@ -113,9 +113,9 @@ def whole_actor_loss(policy, mb: Batch, ctx: UpdateContext, params: list[torch.T
     scope = whole(mb, ctx.dist)
     with ctx.precision.autocast():
         lp, ent = _forward(policy, ctx)(mb)
-        loss, m = actor_loss(lp, ent, mb, ctx, scope, params)
+        loss, m, out = actor_loss(lp, ent, mb, ctx, scope, params)
         if exact_bias:  # exact ‖C‖ from the same forward graph
-            term = clip_bias_of(lp, mb, ctx.algo.spec, scope.denoms)
+            term = clip_bias_of(lp, mb, ctx.algo.spec, scope.denoms, out.clipped)
             m[CLIP_BIAS_GRAD_NORM] = clip_bias_grad_norm(term, params, scope.reduce)
     return loss, m
 
@@ -131,13 +131,14 @@ def _actor_shares(policy, mb, parts, denoms, ctx, params, exact_bias):
     bias = GradSum(params) if exact_bias else None
 
     def objective(k: int, part: Batch, out: Outputs) -> torch.Tensor:
+        loss, _, own = actor_loss(*out, part, ctx, share(denoms))
         if bias is not None:
-            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms))
-        return actor_loss(*out, part, ctx, share(denoms))[0]
+            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms, own.clipped))
+        return loss
 
     lp, ent = backward_parts(parts, _forward(policy, ctx), objective, ctx)
     with torch.no_grad(), ctx.precision.autocast():
-        loss, m = actor_loss(lp, ent, mb, ctx, whole(mb, ctx.dist))
+        loss, m, _ = actor_loss(lp, ent, mb, ctx, whole(mb, ctx.dist))
     if bias is not None:
         m[CLIP_BIAS_GRAD_NORM] = bias.norm(ctx.dist.reduce)
     return loss, m
@@ -146,8 +147,9 @@ def _actor_shares(policy, mb, parts, denoms, ctx, params, exact_bias):
 def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
     c_norm = None
     if grad_estimator(ctx.algo.spec):  # ‖C‖ of the minibatch first: C accumulates in .grad
+        spec = ctx.algo.spec
         lp, ent = backward_parts(parts, _forward(policy, ctx), lambda k, part, out: clip_bias_of(
-            out[0], part, ctx.algo.spec, denoms, as_corrected=True), ctx)
+            out[0], part, spec, denoms, loss_clipped(out[0], part, spec, denoms), as_corrected=True), ctx)
         c_norm = grads_norm([p.grad for p in params], params, ctx.dist.reduce)
         for p in params:
             p.grad = None
@@ -157,7 +159,7 @@ def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
                 _no_grad_forward(policy, part, ctx) for part in parts)))
     leaves = (lp.requires_grad_(), ent.requires_grad_())
     with ctx.precision.autocast():
-        loss, m = actor_loss(*leaves, mb, ctx, whole(mb, ctx.dist, c_norm))
+        loss, m, whole_out = actor_loss(*leaves, mb, ctx, whole(mb, ctx.dist, c_norm))
     g_lp, g_ent = (torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad
                    else (torch.zeros_like(lp), None))
     starts = [sum(len(p) for p in parts[:k]) for k in range(len(parts))]
@@ -165,8 +167,8 @@ def _actor_linearised(policy, mb, parts, denoms, ctx, params, exact_bias):
 
     def objective(k: int, part: Batch, out: Outputs) -> torch.Tensor:
         rows = slice(starts[k], starts[k] + len(part))
-        if bias is not None:
-            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms))
+        if bias is not None:  # κ of these rows, from the minibatch's loss call
+            bias.add(clip_bias_of(out[0], part, ctx.algo.spec, denoms, whole_out.clipped[rows]))
         obj = weighted_sum(out[0], g_lp[rows])  # Σ g ℓ_θ
         return obj if g_ent is None else obj + weighted_sum(out[1], g_ent[rows])  # + Σ h H_θ
 

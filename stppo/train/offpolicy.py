@@ -33,12 +33,14 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from stppo import metric_names as K
-from stppo.batch import Batch
-from stppo.config import OffPolicyConfig
-from stppo.models import Precision
-from stppo.train.dapo import concat_batches, rows
 from stppo.algos.kl import sampled_k3
-from stppo.train.prepare import eval_log_probs
+from stppo.batch import Batch, concat_batches, rows
+from stppo.config import Config, OffPolicyConfig
+from stppo.models import Precision
+from stppo.rollout.episodes import pad_token_id
+from stppo.train.distributed import Dist
+from stppo.train.prepare import FORWARD_CHUNK, eval_log_probs
+from stppo.train.sampler import OnPolicySampler, Refill, Sampler, step_seed
 
 # roll(model, questions, generator, group_ids) → Batch: one rollout of `questions` (each
 # repeated group_size times, consecutive) by `model`
@@ -98,16 +100,68 @@ class PolicyHistory:
         self.start, self.snapshots = s["start"], dict(s["snapshots"])
 
 
-class StaleSampler:
-    """Rolls out a step's groups, each with the policy of its lag (module docstring)."""
+class StaleSampler(Sampler):
+    """Rolls out a step's groups, each with the policy of its lag (module docstring); the
+    `Sampler` of trainer.offpolicy.lag > 0."""
 
-    def __init__(self, cfg: OffPolicyConfig, policy: torch.nn.Module, *, precision: Precision,
-                 chunk: int, pad_id: int):
-        self.cfg, self.policy, self.precision = cfg, policy, precision
-        self.chunk, self.pad_id = chunk, pad_id
-        self.history = PolicyHistory(cfg.lag)
+    on_policy = False  # π_old = θ_{t−1} is not the sampler: the trainer recomputes it
+
+    def __init__(self, cfg: Config, comps, rc, dist: Dist = Dist()) -> None:
+        super().__init__(cfg, comps, rc, dist)
+        tr = cfg.trainer
+        self.offpolicy, self.policy, self.precision = tr.offpolicy, comps.policy, comps.precision
+        self.chunk, self.pad_id = tr.micro_batch_size or FORWARD_CHUNK, pad_token_id(comps.tokenizer)
+        self.history = PolicyHistory(tr.offpolicy.lag)
         self.behaviour: torch.nn.Module | None = None  # the copy the snapshots are loaded into
         self.held: int | None = None  # the step whose weights `behaviour` holds
+
+    # -- the Sampler interface --------------------------------------------------------------------
+    def rollout(self, step: int, questions: list, salt: str) -> Batch:
+        """This rank's groups, each rolled out by the policy of its lag: the lags of the whole
+        step are drawn on every rank, then sharded; rows of age a draw from the generator of
+        (seed, step, rank, a) — age 0's is the on-policy one."""
+        lags = self.dist.shard(draw_lags(self.offpolicy, len(questions), step_seed(self.cfg.seed, step, "lags")))
+        return self._by_age(step, self.dist.shard(questions), lags, salt)
+
+    def refill(self, step: int, salt: str) -> Refill:
+        """DAPO's refill rollouts: their groups draw lags too."""
+        g = self.cfg.trainer.group_size
+
+        def sample(questions: list, r: int) -> Batch:
+            n = len(questions) // g
+            lags = draw_lags(self.offpolicy, n, step_seed(self.cfg.seed, step, f"{salt}-refill{r}-lags"))
+            return self._by_age(step, questions[::g], lags, f"{salt}-refill{r}")
+        return sample
+
+    def record(self, step: int) -> None:
+        self.history.record(step, self.policy)  # θ_{step-1}, before this step's update
+
+    def metrics(self, batch: Batch, sampled: torch.Tensor, reduce=None
+                ) -> tuple[dict[str, float], Optional[torch.Tensor]]:
+        live = live_log_probs(batch, self.policy, self.cfg.algo.spec.rollout_correction.bypass_mode,
+                              self.precision, self.chunk)
+        return offpolicy_metrics(batch, reduce, agent_mask=sampled, live=live), live
+
+    def restart(self, step: int) -> None:
+        self.history.restart(step)
+
+    def state_dict(self) -> dict:
+        return {"offpolicy": self.history.state_dict()}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        if "offpolicy" in state:
+            self.history.load_state_dict(state["offpolicy"])
+        else:  # (a checkpoint without snapshots: the history starts here)
+            self.history.restart(step)
+
+    # -- sampling by age ------------------------------------------------------------------------
+    def _by_age(self, step: int, groups: list, lags: list[int], salt: str) -> Batch:
+        g = self.cfg.trainer.group_size
+
+        def generator(age: int) -> torch.Generator:
+            return self._generator(step, salt if age == 0 else f"{salt}-age{age}")
+
+        return self.sample(step, [q for q in groups for _ in range(g)], lags, self._roll, generator)
 
     def model(self, step: int, source: int) -> torch.nn.Module:
         """θ_source at step `step`: the live policy for source = step − 1, else the behaviour
@@ -199,3 +253,9 @@ def offpolicy_metrics(batch: Batch, reduce=None, agent_mask: Optional[torch.Tens
     return {K.OFFPOLICY_LAG_MEAN: float(sums[0] / sums[1].clamp(min=1)),
             K.OFFPOLICY_LAG_MAX: float(lags.max()) if len(lags) else 0.0,
             K.OFFPOLICY_KL_TO_CURRENT: float(sums[2] / sums[3].clamp(min=1))}
+
+
+def sampler_class(offpolicy: OffPolicyConfig) -> type[Sampler]:
+    """The sampler of a run's `trainer.offpolicy`: on-policy at lag 0, stale otherwise — the one
+    place that reads the lag to choose (`stppo.train.sampler`)."""
+    return OnPolicySampler if offpolicy.lag == 0 else StaleSampler

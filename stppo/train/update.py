@@ -23,6 +23,7 @@ from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 from stppo.train.microbatch import actor_backward, critic_backward, whole_actor_loss
+from stppo.train.offpolicy import sampler_class
 
 
 def old_log_probs_from_update(cfg: Config) -> bool:
@@ -30,7 +31,7 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     old log-probs are that forward's detached log-probs (identical numbers): one epoch, one
     minibatch holding the whole rollout batch, nothing before the update that reads the old
     log-probs (the KL penalty in the reward does; so does `offpolicy/kl_to_current` of stale
-    rollouts, trainer.offpolicy.lag > 0; so does the optimal token baseline, which reads the old
+    rollouts: the sampler is not `on_policy`; so does the optimal token baseline, which reads the old
     forward's Σπ² too), and a rollout correction that needs none: a decoupled one compares the
     recomputed π_old with the sampler's before the update, bypass mode takes the sampler's as
     π_old (`stppo.train.rollout_corr`)."""
@@ -40,9 +41,8 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     advantage_reads_old = algo.advantage in OLD_POLICY_ESTIMATORS
     rc = algo.spec.rollout_correction
     own_old = not (rc.decoupled or rc.bypass_mode)
-    stale = tr.offpolicy.lag > 0
     return (tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not advantage_reads_old
-            and own_old and not stale)
+            and own_old and sampler_class(tr.offpolicy).on_policy)
 
 
 def minibatches(n: int, size: int, epochs: int, generator: torch.Generator):

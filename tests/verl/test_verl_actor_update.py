@@ -103,13 +103,13 @@ def test_stppo_ppo_equals_verls_vanilla_inside_verls_update(setup):
 
 
 def test_a_researchers_stabiliser_trains_inside_verls_update(setup):
-    """The example plugin package (tests/plugin_example, installed by `make test`): its preset
-    file found through Hydra's search path, its loss registered as stppo_turn_drift in the
+    """The example plugin package (tests/plugin_example, installed by `make test`): found by its
+    entry point with no search path, its loss registered as stppo_turn_drift in the
     worker from the spec stppo's launcher sends, its own metrics copied back by the monitor."""
     from stppo.integrations.verl.metrics import namespace_copies
 
-    r = run(setup, "turn_drift", extra=("hydra.searchpath=[pkg://turn_drift.conf]",))
-    assert r["cfg"].algo.loss == "turn_drift.loss:turn_drift"
+    r = run(setup, "turn_drift")
+    assert r["cfg"].algo.spec.loss_mode == "turn_drift" and r["cfg"].algo.plugin is None
     still = [n for n, w in r["before"].items() if torch.equal(w, r["after"][n])]
     assert not still, f"weights that did not move: {still}"
     logged = as_logged(r["metrics"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stppo.algos import LOSS_MODES, PRESETS, Correction, policy_loss
+from stppo.algos import LOSS_MODES, PRESETS, ClipBias, policy_loss
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.metric_names import (CLIP_BIAS_SCALE, PG_CLIPFRAC, PG_CLIPFRAC_LOWER, PG_LOSS, PPO_KL)
 from verl_batch import floats, make_batch, run_ppo_loss
@@ -24,7 +24,7 @@ ATOL = 1e-10
 
 
 def knobs(name: str, granularity: str = "batch") -> dict:
-    tau = TAU[PRESETS[name].correction]
+    tau = TAU[PRESETS[name].clip_bias]
     return {} if tau is None else {"tau": tau, "granularity": granularity}
 
 
@@ -33,12 +33,12 @@ def reference(b, name, loss_agg, global_denoms, tau=None, granularity="batch", c
     preset = PRESETS[name]
     lp = b.log_prob.clone().requires_grad_(True)
     mask = b.mask
-    correction = (None if preset.correction == "none" else
-                  Correction(preset.correction, preset.tau if tau is None else tau, "token",
+    correction = (None if preset.clip_bias == "none" else
+                  ClipBias(preset.clip_bias, preset.tau if tau is None else tau, "token",
                              granularity))
     spec = preset.spec(loss_agg=loss_agg, clip_low=clip, clip_high=clip,
                        dual_clip=c if LOSS_MODES[preset.loss_mode].dual_clip else None,
-                       correction=correction)
+                       clip_bias=correction)
     loss, m = policy_loss(lp, b.old_log_probs, b.advantages, mask, turn_ids_from_mask(mask), spec,
                           global_denoms=global_denoms)
     loss.backward()
@@ -60,7 +60,7 @@ def test_loss_through_verl_ppo_loss_equals_policy_loss(actor_config, name, agg):
     torch.manual_seed(7)  # clip_cov draws its tokens from torch's global generator (as verl)
     losses, metrics, grad = run_ppo_loss(cfg, b, micro=N)
     d_tok = int(b.response_mask.sum())  # verl's batch_num_tokens; global_batch_size = N rows
-    tau = TAU[PRESETS[name].correction]
+    tau = TAU[PRESETS[name].clip_bias]
     torch.manual_seed(7)
     want_loss, want_grad, want_m = reference(b, name, agg, (d_tok, N), tau)
     assert losses[0].dtype == torch.float64
@@ -110,7 +110,7 @@ def test_sequence_means_count_every_row_of_the_mini_batch(actor_config, name, ag
     empty = int((b.response_mask.sum(1) == 0).sum())
     assert empty == 1
     losses, _, grad = run_ppo_loss(cfg, b, micro=N)
-    own_loss, own_grad, _ = reference(b, name, agg, None, TAU[PRESETS[name].correction])
+    own_loss, own_grad, _ = reference(b, name, agg, None, TAU[PRESETS[name].clip_bias])
     factor = 1.0 if agg == "token-mean" else (N - empty) / N
     assert float(losses[0]) == pytest.approx(factor * float(own_loss), rel=0, abs=ATOL)
     assert torch.allclose(grad, factor * own_grad, rtol=0, atol=ATOL)
@@ -127,7 +127,7 @@ def test_correction_scale_is_per_micro_batch(actor_config, name):
     d_tok, half = int(b.response_mask.sum()), N // 2
     whole, m_whole, _ = run_ppo_loss(cfg, b, micro=N)
     split, m_split, _ = run_ppo_loss(cfg, b, micro=half)
-    tau = TAU[PRESETS[name].correction]
+    tau = TAU[PRESETS[name].clip_bias]
     lams = []
     for r, loss in enumerate(split):
         want, _, want_m = reference(b.rows(slice(r * half, (r + 1) * half)), name, agg,

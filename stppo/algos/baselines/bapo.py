@@ -32,6 +32,7 @@ import math
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 from stppo.algos.clip_bias import Reduce
 from stppo.algos.surrogate import surrogate_parts
 from stppo.metric_names import BAPO_CLIP_HIGH, BAPO_CLIP_LOW, BAPO_POS_SHARE
@@ -82,12 +83,13 @@ def positive_share(ratio: torch.Tensor, advantages: torch.Tensor, weights: torch
     return torch.where(total > 0, pn[0] / total.clamp(min=1e-30), 1.0)
 
 
-def bapo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low, clip_high,
-              loss_agg, dual_clip=None, global_denoms=None, reduce=None, rollout_is_weights=None,
-              opts=None, **_):
-    """(loss, metrics) of BAPO; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("bapo", options=DEFAULTS, ratio_levels=("token",), dual_clip=True, separable=False,
+           check=check, source="BAPO (arXiv 2510.18927)")
+def bapo_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of BAPO (module docstring)."""
+    clip_low, clip_high, dual_clip, loss_agg = spec.clip_low, spec.clip_high, spec.dual_clip, spec.loss_agg
+    reduce, opts = x.reduce, spec.options
+    v = token_view(x, loss_agg)
     states = torch.tensor(bapo_schedule(1.0 - clip_low, 1.0 + clip_high, opts),
                           dtype=v.delta.dtype, device=v.delta.device)  # (K, 2)
     with torch.no_grad():

@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 
 
-def cispo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low, clip_high,
-               loss_agg, global_denoms=None, reduce=None, rollout_is_weights=None, opts=None,
-               **_):
-    """(loss, metrics) of CISPO; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("cispo", ratio_levels=("token",), separable=True,
+           source="MiniMax-M1 (arXiv 2506.13585); verl 'cispo'")
+def cispo_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of CISPO (module docstring)."""
+    log_probs, loss_mask = x.log_probs, x.loss_mask
+    clip_low, clip_high, loss_agg, reduce = spec.clip_low, spec.clip_high, spec.loss_agg, x.reduce
+    v = token_view(x, loss_agg)
     with torch.no_grad():
         rho = v.ratio.detach()  # (N, T)
         rho_hat = rho.clamp(1.0 - clip_low, 1.0 + clip_high)  # (N, T) sg(ρ̂)

@@ -22,8 +22,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from stppo.algos.aggregation import GlobalDenoms, agg_row_weights, mask_float, weighted_sum
+from stppo.algos.aggregation import agg_row_weights, mask_float, weighted_sum
 from stppo.algos.clip_bias import Reduce
+from stppo.algos.contract import LossInputs
 from stppo.algos.ratios import log_ratio
 from stppo.metric_names import (CLIP_BIAS_NORM, CLIP_BIAS_NORM_MAX, CLIP_BIAS_SCALE,
                             CLIP_BIAS_TRIGGERED, PG_CLIPFRAC, PG_CLIPFRAC_HIGH, PG_CLIPFRAC_LOW,
@@ -42,10 +43,10 @@ class TokenView(NamedTuple):
     is_w: Optional[torch.Tensor]  # (N, T) rollout IS weights on agent tokens, 1 elsewhere
 
 
-def token_view(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-               loss_mask: torch.Tensor, loss_agg: str, global_denoms: GlobalDenoms,
-               reduce: Reduce, rollout_is_weights: Optional[torch.Tensor]) -> TokenView:
-    """The masked token-level quantities of one `policy_loss` call (see the module docstring)."""
+def token_view(x: LossInputs, loss_agg: str) -> TokenView:
+    """The masked token-level quantities of one `policy_loss` call `x` (see the module docstring)."""
+    log_probs, old_log_probs, advantages, loss_mask = x.log_probs, x.old_log_probs, x.advantages, x.loss_mask
+    global_denoms, reduce, rollout_is_weights = x.global_denoms, x.reduce, x.rollout_is_weights
     delta = log_ratio(log_probs, old_log_probs, loss_mask)  # (N, T) with graph
     ratio = delta.exp()  # (N, T)
     with torch.no_grad():

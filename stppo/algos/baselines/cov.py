@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 from stppo.algos.surrogate import surrogate_parts
 from stppo.metric_names import COV_SELECTED_FRAC
 
@@ -66,12 +67,14 @@ def n_selected(ratio: float, loss_mask: torch.Tensor) -> int:
     return max(int(ratio * int(loss_mask.sum())), 1)
 
 
-def clip_cov_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low,
-                  clip_high, loss_agg, global_denoms=None, reduce=None, rollout_is_weights=None,
-                  opts=None, **_):
-    """(loss, metrics) of Clip-Cov; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("clip_cov", options=CLIP_COV_DEFAULTS, ratio_levels=("token",), separable=False,
+           check=check_clip_cov, source="Clip-Cov (arXiv 2505.22617); verl 'clip_cov'")
+def clip_cov_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of Clip-Cov (module docstring)."""
+    log_probs, advantages, loss_mask = x.log_probs, x.advantages, x.loss_mask
+    clip_low, clip_high, loss_agg = spec.clip_low, spec.clip_high, spec.loss_agg
+    reduce, opts = x.reduce, spec.options
+    v = token_view(x, loss_agg)
     with torch.no_grad():
         rho = v.ratio.detach()
         eps = torch.tensor([clip_low, clip_high], dtype=rho.dtype, device=rho.device)  # bounds
@@ -93,11 +96,13 @@ def clip_cov_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, 
     return loss, m
 
 
-def kl_cov_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_agg,
-                global_denoms=None, reduce=None, rollout_is_weights=None, opts=None, **_):
-    """(loss, metrics) of KL-Cov; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("kl_cov", options=KL_COV_DEFAULTS, ratio_levels=("token",), separable=False,
+           check=check_kl_cov, source="KL-Cov (arXiv 2505.22617); verl 'kl_cov'")
+def kl_cov_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of KL-Cov (module docstring)."""
+    log_probs, advantages, loss_mask = x.log_probs, x.advantages, x.loss_mask
+    loss_agg, reduce, opts = spec.loss_agg, x.reduce, spec.options
+    v = token_view(x, loss_agg)
     coef = opts["ppo_kl_coef"]
     with torch.no_grad():
         valid = torch.nonzero(loss_mask.reshape(-1), as_tuple=True)[0]  # (M,) row-major

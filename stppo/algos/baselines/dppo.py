@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 from stppo.metric_names import PG_CLIPFRAC_LOWER
 
 DEFAULTS = {"clip_ratio_c": 20.0}
@@ -64,11 +65,11 @@ def binary_kl_mask(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advanta
                        (kl <= clip_low) | (p >= p_old))
 
 
-def _dppo_loss(mask_fn, log_probs, old_log_probs, advantages, loss_mask, clip_low, clip_high,
-               loss_agg, global_denoms, reduce, rollout_is_weights, opts):
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
-    cap = opts["clip_ratio_c"]
+def _dppo_loss(mask_fn, x: LossInputs, spec):
+    log_probs, old_log_probs, loss_mask = x.log_probs, x.old_log_probs, x.loss_mask
+    clip_low, clip_high, reduce = spec.clip_low, spec.clip_high, x.reduce
+    v = token_view(x, spec.loss_agg)
+    cap = spec.options["clip_ratio_c"]
     lp = torch.where(loss_mask, log_probs, 0.0).to(v.delta.dtype)  # (N, T) garbage → 0 first
     with torch.no_grad():
         old = torch.where(loss_mask, old_log_probs, 0.0).to(v.delta.dtype)  # (N, T)
@@ -85,17 +86,15 @@ def _dppo_loss(mask_fn, log_probs, old_log_probs, advantages, loss_mask, clip_lo
     return loss, m
 
 
-def dppo_tv_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low,
-                 clip_high, loss_agg, global_denoms=None, reduce=None, rollout_is_weights=None,
-                 opts=None, **_):
-    """(loss, metrics) of DPPO-Binary-TV; tensors (N, T) as `policy_loss`."""
-    return _dppo_loss(binary_tv_mask, log_probs, old_log_probs, advantages, loss_mask, clip_low,
-                      clip_high, loss_agg, global_denoms, reduce, rollout_is_weights, opts)
+@loss_mode("dppo_tv", options=DEFAULTS, ratio_levels=("token",), separable=True, check=check,
+           source="DPPO Binary-TV (arXiv 2602.04879); verl 'dppo_tv'")
+def dppo_tv_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of DPPO-Binary-TV (module docstring)."""
+    return _dppo_loss(binary_tv_mask, x, spec)
 
 
-def dppo_kl_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low,
-                 clip_high, loss_agg, global_denoms=None, reduce=None, rollout_is_weights=None,
-                 opts=None, **_):
-    """(loss, metrics) of DPPO-Binary-KL; tensors (N, T) as `policy_loss`."""
-    return _dppo_loss(binary_kl_mask, log_probs, old_log_probs, advantages, loss_mask, clip_low,
-                      clip_high, loss_agg, global_denoms, reduce, rollout_is_weights, opts)
+@loss_mode("dppo_kl", options=DEFAULTS, ratio_levels=("token",), separable=True, check=check,
+           source="DPPO Binary-KL (arXiv 2602.04879); verl 'dppo_kl'")
+def dppo_kl_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of DPPO-Binary-KL (module docstring)."""
+    return _dppo_loss(binary_kl_mask, x, spec)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 
 DEFAULTS = {"beta": 0.05}
 
@@ -30,11 +31,13 @@ def check(opts: dict) -> None:
         raise ValueError(f"loss_mode='dro': beta must be > 0, got {opts['beta']}")
 
 
-def dro_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_agg,
-             global_denoms=None, reduce=None, rollout_is_weights=None, opts=None, **_):
-    """(loss, metrics) of DRO; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("dro", options=DEFAULTS, ratio_levels=("token",), separable=True, check=check,
+           source="DRO (arXiv 2405.19107); verl 'dro'")
+def dro_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of DRO (module docstring)."""
+    log_probs, loss_mask = x.log_probs, x.loss_mask
+    loss_agg, reduce, opts = spec.loss_agg, x.reduce, spec.options
+    v = token_view(x, loss_agg)
     beta = opts["beta"]
     lp = torch.where(loss_mask, log_probs, 0.0).to(v.delta.dtype)  # (N, T) garbage → 0 first
     s = weighted(v, -(v.adv * lp - 0.5 * beta * v.delta.square()))  # (N, T)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view
+from stppo.algos.contract import LossInputs, loss_mode
 
 
-def gmpo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, clip_low, clip_high,
-              loss_agg, global_denoms=None, reduce=None, rollout_is_weights=None, opts=None, **_):
-    """(loss, metrics) of GMPO; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("gmpo", ratio_levels=("sequence",), separable=True,
+           source="GMPO (arXiv 2507.20673); verl 'geo_mean'")
+def gmpo_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of GMPO (module docstring)."""
+    loss_mask = x.loss_mask
+    clip_low, clip_high, loss_agg, reduce = spec.clip_low, spec.clip_high, spec.loss_agg, x.reduce
+    v = token_view(x, loss_agg)
     with torch.no_grad():
         pos, neg = v.adv > 0, v.adv < 0  # (N, T)
         hi = pos & (v.delta > clip_high)  # (N, T) the clip binds

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 
 DEFAULTS = {"tau_pos": 1.0, "tau_neg": 1.05}
 
@@ -31,11 +32,12 @@ def sapo_gate(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-def sapo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, loss_agg,
-              global_denoms=None, reduce=None, rollout_is_weights=None, opts=None, **_):
-    """(loss, metrics) of SAPO; tensors (N, T) as `policy_loss`."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("sapo", options=DEFAULTS, ratio_levels=("token",), separable=True, check=check,
+           source="SAPO (arXiv 2511.20347); verl 'sapo'")
+def sapo_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of SAPO (module docstring)."""
+    loss_mask, loss_agg, reduce, opts = x.loss_mask, spec.loss_agg, x.reduce, spec.options
+    v = token_view(x, loss_agg)
     with torch.no_grad():
         taus = torch.tensor([opts["tau_pos"], opts["tau_neg"]], dtype=v.adv.dtype,
                             device=v.adv.device)  # tensors: torch.where of two floats is float32

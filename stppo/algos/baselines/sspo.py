@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs, loss_mode
 from stppo.algos.segments import TurnRatio, TurnSegments, subsentence_runs
 from stppo.algos.surrogate import surrogate_parts
 from stppo.metric_names import SSPO_CLIP_SCALE_STD, SSPO_SUBSENTENCE_LENGTH
@@ -68,13 +69,15 @@ def clip_scale(old_log_probs: torch.Tensor, loss_mask: torch.Tensor, segs: TurnS
     return torch.where(loss_mask & (h_row > 0).unsqueeze(1), w, 1.0)
 
 
-def sspo_loss(log_probs, old_log_probs, advantages, loss_mask, turn_ids, *, segment_ids,
-              clip_low, clip_high, loss_agg, dual_clip=None, global_denoms=None, reduce=None,
-              rollout_is_weights=None, opts=None, **_):
-    """(loss, metrics) of SSPO; tensors (N, T) as `policy_loss`, `segment_ids` (N, T) int: the
-    subsentence labels of the agent tokens (module docstring)."""
-    v = token_view(log_probs, old_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+@loss_mode("sspo", options=DEFAULTS, ratio_levels=("token",), dual_clip=True, separable=True,
+           segments=True, check=check, source="SSPO (arXiv 2511.04256)")
+def sspo_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of SSPO (module docstring): `x.segment_ids` (N, T) int, the subsentence
+    labels of the agent tokens."""
+    old_log_probs, loss_mask, turn_ids, segment_ids = x.old_log_probs, x.loss_mask, x.turn_ids, x.segment_ids
+    clip_low, clip_high, dual_clip, loss_agg = spec.clip_low, spec.clip_high, spec.dual_clip, spec.loss_agg
+    reduce, opts = x.reduce, spec.options
+    v = token_view(x, loss_agg)
     with torch.no_grad():
         sub = subsentence_runs(segment_ids, loss_mask, turn_ids)  # (N, T) 0.. per row, −1 off
         segs = TurnSegments.build(loss_mask, sub, v.mf)

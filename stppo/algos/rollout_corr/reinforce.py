@@ -19,22 +19,22 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
+from stppo.algos.contract import LossInputs
 from stppo.algos.surrogate import clipped_surrogate
 
 
-def reinforce_loss(log_probs, rollout_log_probs, advantages, loss_mask, turn_ids, *, clip_low,
-                   clip_high, loss_agg, dual_clip=None, global_denoms=None, reduce=None,
-                   rollout_is_weights=None, **_):
-    """(loss, metrics) of the bypass REINFORCE loss; tensors (N, T) as `policy_loss`, with
-    old_log_probs = π_rollout's."""
-    v = token_view(log_probs, rollout_log_probs, advantages, loss_mask, loss_agg, global_denoms,
-                   reduce, rollout_is_weights)
+def reinforce_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of the bypass REINFORCE loss, with the contract of a loss mode
+    (`stppo.algos.contract`): `x.old_log_probs` are π_rollout's; the spec's clip range and dual
+    clip only say what a clipped surrogate would clip (the metrics)."""
+    log_probs, loss_mask = x.log_probs, x.loss_mask
+    v = token_view(x, spec.loss_agg)
     lp = torch.where(loss_mask, log_probs, 0.0).to(v.delta.dtype)  # (N, T) garbage → 0 first
     s = weighted(v, -v.adv * lp)  # (N, T) −ω A log π
     loss = assemble(v, s)
     with torch.no_grad():
         rho = v.ratio.detach()  # (N, T)
         omega = torch.ones_like(rho) if v.is_w is None else v.is_w
-        sur = clipped_surrogate(rho, v.adv, clip_low, clip_high, dual_clip)
+        sur = clipped_surrogate(rho, v.adv, spec.clip_low, spec.clip_high, spec.dual_clip)
         bias = (rho - omega) * v.adv  # (N, T)
-    return loss, metrics(v, loss, s, sur.clipped_high, sur.clipped_low, bias, reduce)
+    return loss, metrics(v, loss, s, sur.clipped_high, sur.clipped_low, bias, x.reduce)

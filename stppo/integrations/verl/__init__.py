@@ -3,7 +3,7 @@
 - `losses`: every preset's policy loss with verl's policy-loss signature (torch + stppo.algos).
 - `plugin`: registers them in verl's policy-loss registry as `stppo_<preset>`; the target of the
   `verl.plugins` entry point in pyproject.toml, so a plain `import verl` loads it.
-- `config`: `StppoPolicyLossConfig`, verl's `PolicyLossConfig` plus stppo's correction knobs
+- `config`: `StppoPolicyLossConfig`, verl's `PolicyLossConfig` plus stppo's clip-bias knobs
   (tau, estimator, granularity), named by `actor_rollout_ref.actor.policy_loss._target_`.
 - `tool`, `data`, `reward`: the search tool, the parquet converter and `compute_score` (verl side).
 - `overrides`, `launcher`, `monitor`, `metrics`: `backend=verl` — the composed stppo config as

@@ -36,8 +36,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from stppo import metric_names as K
-from stppo.cache import content_hash
-from stppo.config import Config, OffPolicyConfig, to_config
+from stppo.config import Config, run_identity, to_config
 from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
 from stppo.integrations.verl.overrides import (JobFiles, check_translatable, entry_module, env_overrides,
@@ -101,19 +100,8 @@ def launch(cfg: Config, check: Callable[[Config], str] | None = None) -> float:
 
 
 def job_dir(cfg: Config) -> Path:
-    """The job's folder (checkpoints): same settings ⇒ same folder, as the own trainer's."""
-    d = asdict(cfg)
-    for k in ("resume", "progress"):
-        d["trainer"].pop(k)
-    for k in ("dry_run", "poll_s", "stop_grace_s", "python"):
-        d["backend"].pop(k)
-    if d["backend"]["rollout_gpus_per_node"] is None:  # settings added later keep old folders
-        d["backend"].pop("rollout_gpus_per_node")
-    if d["trainer"]["offpolicy"] == asdict(OffPolicyConfig()):
-        d["trainer"].pop("offpolicy")
-    d.pop("tracking")
-    name = f"{cfg.algo.name}-{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-verl-{content_hash(d, length=8)}"
-    return (Path(cfg.trainer.out_dir) / cfg.tracking.experiment / name).resolve()
+    """The job's folder (checkpoints): same settings ⇒ same folder (`stppo.config.run_identity`)."""
+    return (Path(cfg.trainer.out_dir) / cfg.tracking.experiment / run_identity(cfg)).resolve()
 
 
 def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str | None = None) -> Plan:
@@ -192,11 +180,13 @@ def check_server(url: str, timeout_s: float) -> None:
 # -- the subprocess --------------------------------------------------------------------------------
 def supervise(cfg: Config, plan: Plan, tracker: Tracker) -> float:
     """Run verl, follow the run, close it (see the module docstring); returns the objective."""
+    from stppo.algos import LOSS_MODES
+
     t = cfg.trainer
     monitor = RunMonitor(tracker, data_source=plan.data.data_source, total_steps=t.total_steps,
                          collapse=t.collapse, stop_on_collapse=t.stop_on_collapse, alarm=t.alarm,
                          on_alarm=t.on_alarm, max_turns=per_turn_count(cfg),
-                         namespace=cfg.algo.name if cfg.algo.loss else None)
+                         namespace=LOSS_MODES[cfg.algo.spec.loss_mode].namespace)
     env = {**os.environ, **plan.env, "PYTHONPATH": _pythonpath()}
     old = _install_handlers()
     proc, tail = None, collections.deque(maxlen=STDERR_TAIL)

@@ -18,7 +18,7 @@ mini-batch). The loss here is `stppo.algos.policy_loss` on that micro-batch with
   `clip_ratio_c` (verl's own losses always apply the dual clip; default 3.0);
 - aggregation: verl's `loss_agg_mode` (same names as stppo's `loss_agg`) with the global
   denominators of `verl_global_denoms`, so the micro-batch losses sum like verl's own;
-- the rest of the loss — ratio level, correction, loss mode and options, … — from the run's
+- the rest of the loss — ratio level, clip-bias scale, loss mode and options, … — from the run's
   `LossSpec` that the launcher sends (`config.policy_loss.spec`, `StppoPolicyLossConfig`), else
   from the preset with the config's knobs τ, estimator, granularity, options (`config.py`);
 - per-turn metrics for turns 0..K−1, K = `config.policy_loss.max_turns` (`DEFAULT_MAX_TURNS`
@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from stppo.algos import LOSS_MODES, PRESETS, Correction, LossSpec, policy_loss, sampler_mismatch
+from stppo.algos import LOSS_MODES, PRESETS, ClipBias, LossSpec, policy_loss, sampler_mismatch
 from stppo.algos.aggregation import agg_denoms
 from stppo.algos.breakdown import turn_breakdown
 from stppo.algos.rollout_corr import DIAGNOSTIC_IS_THRESHOLD, rollout_correction
@@ -50,11 +50,11 @@ from stppo.integrations.verl.metrics import TURN_WEIGHT, TURN_WEIGHTED
 from stppo.metric_names import PG_CLIPFRAC_LOWER, turn_key
 
 # verl's loss_agg_mode → stppo's loss_agg. verl's `token-sum` and `seq-mean-token-sum-norm` have
-# no stppo counterpart (the correction's τ is defined on stppo's three forms): rejected.
+# no stppo counterpart (the clip-bias scale's τ is defined on stppo's three forms): rejected.
 VERL_LOSS_AGGS = {m: m for m in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")}
 DEFAULT_MAX_TURNS = 4  # per-turn metrics without StppoPolicyLossConfig.max_turns (task.max_turns' default)
 GRAD_ESTIMATOR_ERROR = (
-    "correction estimator 'grad' needs the policy parameters, which verl does not pass to a "
+    "clip-bias estimator 'grad' needs the policy parameters, which verl does not pass to a "
     "policy loss; use estimator=token with the verl backend")
 SEGMENTS_ERROR = ("reads subsentences from the token ids, which verl does not pass to a policy "
                   "loss; train it with stppo's own backend")
@@ -146,11 +146,11 @@ def verl_spec(name: str, loss_agg_mode: str, config: Any) -> LossSpec:
     else:
         tau, estimator, granularity, options = _knobs(config)
         preset = PRESETS[name]
-        correction = (None if preset.correction == "none" else
-                      Correction(preset.correction, preset.tau if tau is None else tau, estimator,
+        clip_bias = (None if preset.clip_bias == "none" else
+                      ClipBias(preset.clip_bias, preset.tau if tau is None else tau, estimator,
                                  granularity))
-        base = preset.spec(correction=correction, options={**preset.options, **options})
-    if base.correction is not None and base.correction.estimator == "grad":
+        base = preset.spec(clip_bias=clip_bias, options={**preset.options, **options})
+    if base.clip_bias is not None and base.clip_bias.estimator == "grad":
         raise ValueError(GRAD_ESTIMATOR_ERROR)
     if LOSS_MODES[base.loss_mode].segments:
         raise ValueError(f"loss_mode={base.loss_mode!r} {SEGMENTS_ERROR}")

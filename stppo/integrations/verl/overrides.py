@@ -7,8 +7,9 @@ is rejected by `check_translatable` when it would change the run):
 
   algo (the run's LossSpec)  policy_loss.loss_mode=stppo_<preset> with the plugin's config class
                              (`_target_`) carrying the whole spec (policy_loss.spec: ratio level,
-                             correction, loss mode and options, …) and, for a researcher's preset,
-                             the stabiliser's import path (policy_loss.plugin); the advantage →
+                             clip-bias scale, loss mode and options, …) and, for a plain-folder
+                             plugin's preset, the module that registers it (policy_loss.plugin);
+                             the advantage →
                              algorithm.adv_estimator (tir_optimal_token_baseline also →
                              actor.calculate_sum_pi_squared, unfused kernels, trainer.use_v1=false),
                              the critic → critic.enable; a loss mode that reads subsentences
@@ -72,7 +73,7 @@ OFFPOLICY_ENTRIES = (ENTRY_ONE_STEP, ENTRY_FULLY_ASYNC)
 VERL_CONFIG_SEARCHPATH = ["pkg://verl.trainer.config"]
 
 GRAD_ESTIMATOR_ERROR = ("the 'grad' estimator needs the policy parameters, which verl does not "
-                        "pass to a policy loss; use algo.correction.estimator=token with backend=verl")
+                        "pass to a policy loss; use algo.clip_bias.estimator=token with backend=verl")
 
 # --- names shared with the policy-loss plugin (stppo/integrations/verl/{plugin,config}.py):
 # loss_mode(preset) = stppo_<preset>, LOSS_CONFIG_TARGET its PolicyLossConfig subclass
@@ -171,9 +172,9 @@ def check_translatable(cfg: Config) -> None:
     from stppo.algos import LOSS_MODES
 
     a, t = cfg.algo, cfg.trainer
-    c = a.spec.correction
+    c = a.spec.clip_bias
     if c is not None and c.estimator == "grad":
-        raise ValueError(f"algo.correction.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
+        raise ValueError(f"algo.clip_bias.estimator=grad: {GRAD_ESTIMATOR_ERROR}")
     if LOSS_MODES[a.spec.loss_mode].segments:
         raise ValueError(f"algo.loss_mode={a.spec.loss_mode} {SEGMENTS_ERROR}")
     if a.advantage not in ADV_ESTIMATORS:
@@ -338,7 +339,7 @@ def _actor(cfg: Config) -> dict[str, Any]:
         f"{pl}.loss_mode": loss_mode(a.name), f"{pl}._target_": LOSS_CONFIG_TARGET,
         f"+{pl}.max_turns": per_turn_count(cfg),
         **{f"+{pl}.spec.{key}": value for key, value in flat(a.spec.to_dict()).items()},
-        **({f"+{pl}.plugin": a.loss} if a.loss else {}),
+        **({f"+{pl}.plugin": a.plugin} if a.plugin else {}),
         f"{ACTOR}.clip_ratio_low": a.clip_low, f"{ACTOR}.clip_ratio_high": a.clip_high,
         f"{ACTOR}.loss_agg_mode": a.loss_agg, f"{ACTOR}.entropy_coeff": a.entropy_coef,
         f"{ACTOR}.use_kl_loss": a.kl.coef > 0 and not a.kl.in_reward,

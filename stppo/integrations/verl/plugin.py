@@ -1,4 +1,5 @@
-"""verl plugin: registers every stppo preset's policy loss in verl's registry as `stppo_<preset>`.
+"""verl plugin: registers every stppo preset's policy loss in verl's registry as `stppo_<preset>` —
+the built-in presets and those of the installed stppo plugins (`stppo.plugins`, loaded first).
 
 The target of the `verl.plugins` entry point (pyproject.toml): verl ≥ 0.9 loads it in every
 process that imports `verl` (driver and Ray workers), unless `VERL_USE_EXTERNAL_PLUGINS=none`.
@@ -19,8 +20,9 @@ log = logging.getLogger(__name__)
 
 def register(names=None) -> tuple[str, ...]:
     """Register `stppo_<name>` for each of `names` (default: every name in
-    `stppo.algos.PRESETS`, read at load time, so a preset added to the registry needs no change
-    here; a researcher's preset is registered by its policy-loss config, `config.py`).
+    `stppo.algos.PRESETS` once the installed plugins are loaded, read at load time, so a preset
+    added to the registry needs no change here; a plain-folder plugin's preset is registered by
+    its policy-loss config, `config.py`).
     Registering again is a no-op for stppo's own losses; a name held by another loss raises
     ValueError. Returns the registered names."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
@@ -28,7 +30,9 @@ def register(names=None) -> tuple[str, ...]:
     from stppo.algos import PRESETS
     from stppo.integrations.verl import loss_mode
     from stppo.integrations.verl.losses import make_verl_loss
+    from stppo.plugins import load_plugins
 
+    load_plugins()
     out = []
     for preset in (PRESETS if names is None else names):
         name = loss_mode(preset)

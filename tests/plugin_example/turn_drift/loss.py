@@ -3,19 +3,19 @@ far each agent turn moved as a whole,
 
     L = agg(s_t)  +  β · agg(d_t²),     d_t = mean_{t' ∈ turn(t)} δ_t',  δ = log π_θ − log π_old,
 
-s the clipped surrogate loss of token-level ratios (−min(ρA, clip(ρ)A), `clipped_surrogate`), agg the spec's aggregation over agent tokens (each
-token of a turn carries its turn's d²) with the batch's denominators — so the loss of a batch is
-the sum of its parts' losses (`separable=True`). Where the ratio clip only bounds single tokens,
-the penalty pulls back a turn whose tokens all drift the same way.
+s the clipped surrogate loss of token-level ratios (−min(ρA, clip(ρ)A), with the dual clip when
+the spec has one, `clipped_surrogate`), agg the spec's aggregation over agent tokens (each token
+of a turn carries its turn's d²) with the batch's denominators — so the loss of a batch is the sum
+of its parts' losses (`separable=True`). Where the ratio clip only bounds single tokens, the
+penalty pulls back a turn whose tokens all drift the same way. Rollout IS weights multiply the
+surrogate as on stppo's clip path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from stppo.algos import agg_loss, clipped_surrogate, importance_ratio, turn_ratio
-from stppo.algos.plugins import stabiliser
-from stppo.algos.ratios import log_ratio
+from stppo.algos import agg_loss, clipped_surrogate, importance_ratio, loss_mode, turn_ratio
 
 
 def check(options: dict) -> None:
@@ -24,7 +24,8 @@ def check(options: dict) -> None:
         raise ValueError(f"turn_drift: beta must be >= 0, got {options['beta']}")
 
 
-@stabiliser(options={"beta": 0.1}, separable=True, ratio_levels=("token",), check=check)
+@loss_mode(options={"beta": 0.1}, separable=True, ratio_levels=("token",), dual_clip=True, check=check,
+           namespace="turn_drift")
 def turn_drift(x, spec):
     """(loss, metrics) of the module docstring; `x` the `stppo.algos.LossInputs`, `spec` the
     run's `LossSpec` (its options hold the resolved β)."""

@@ -1,6 +1,6 @@
 """The pre-specified contrasts C1–C8 of study v3 (docs/results/staleness/README.md, "Pre-specified
 contrasts"), as written before the main runs, evaluated on the per-run table of
-`analysis.staleness_runs.study_runs`.
+`analysis.studies.staleness_runs.study_runs`.
 
 A contrast draws on the runs of its `scope` and has one row per lag of `lags` (the README's "at")
 and per pair of groups; a group is a label and a selection of runs (column -> allowed values). At
@@ -23,9 +23,9 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .frontier import holm, two_group_tests
-from .identical import apart
-from .stats import bootstrap_diff_ci, finite_mean
+from ..group_tests import holm, two_group_tests
+from ..identical import apart
+from ..stats import bootstrap_diff_ci, finite_mean
 from .staleness_runs import (CORRECTIONS, COUPLED, CPU, CRITIC_FREE, GAE_PRESETS, GPU, L1F, PART1_LAGS,
                              PART2_PRESETS, PART3_LAGS, PARTS, SIZE_GPU, SIZE_PRESETS)
 

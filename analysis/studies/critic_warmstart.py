@@ -15,9 +15,9 @@ import scipy.stats as sps
 
 from stppo import metric_names as T
 
-from .axes import as_tuple, axis_names
-from .stats import finite_mean
-from .tables import per_run_value
+from ..axes import as_tuple, axis_names
+from ..stats import finite_mean
+from ..tables import per_run_value
 
 
 def _with_explained_variance(study, runs: pd.DataFrame) -> pd.DataFrame:

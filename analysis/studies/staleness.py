@@ -1,15 +1,15 @@
 """Study v3's tables and figures (docs/results/staleness/README.md) from exported parquet folders.
 
-    python -m analysis.staleness --data DIR [DIR ...] --out OUT [--n-boot N] [--seed S]
+    python -m analysis.studies.staleness --data DIR [DIR ...] --out OUT [--n-boot N] [--seed S]
 
 reads the folders written by `python -m analysis.export` (one per part, or any split), sorts the
-runs into the study's parts (`analysis.staleness_runs`; runs of other experiments, and runs still
+runs into the study's parts (`analysis.studies.staleness_runs`; runs of other experiments, and runs still
 running, are left out and counted) and writes
 
     OUT/cells.csv          one row per (part, machine, model, level, lag, lag mode, preset label)
-    OUT/contrasts.csv      the pre-specified contrasts C1–C8 (`analysis.staleness_contrasts`)
+    OUT/contrasts.csv      the pre-specified contrasts C1–C8 (`analysis.studies.staleness_contrasts`)
     OUT/not_computed.txt   one line per contrast (or pair) that could not be computed, and why
-    OUT/fig_*.png, .pdf    `analysis.staleness_figures` (those whose cells are there)
+    OUT/fig_*.png, .pdf    `analysis.studies.staleness_figures` (those whose cells are there)
 
 and prints a short summary: the runs per part, the contrast rows with a Holm-adjusted p < 0.05 and
 the lines of not_computed.txt. Any part may be missing or partial. A missing folder, or data
@@ -23,14 +23,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import pandas as pd
 
-from .export import load_exported
-from .identical import merged_units
+from ..export import load_exported
+from ..identical import merged_units
 from .staleness_contrasts import ContrastResult, contrast_table, contrasts_markdown
 from .staleness_figures import FIGURES
 from .staleness_runs import L1F, L2, PARTS, SIZE_GPU, StudyRuns, study_cells, study_runs
-from .store import AnalysisError
+from ..store import AnalysisError
 
 ALPHA = 0.05
 
@@ -99,7 +98,7 @@ def write_study(study, out: Path, *, n_boot: int = 10_000,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.staleness", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.studies.staleness", description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True, type=Path,
                    help="folders written by `python -m analysis.export` (one per part, or any split)")
     p.add_argument("--out", required=True, type=Path)
@@ -109,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sr, result, drawn = write_study(load_exported(a.data), a.out, n_boot=a.n_boot, seed=a.seed)
     except AnalysisError as e:
-        print(f"python -m analysis.staleness: error: {e}", file=sys.stderr)
+        print(f"python -m analysis.studies.staleness: error: {e}", file=sys.stderr)
         return 2
     lines = part_summary(sr)
     lines.append(f"wrote cells.csv, contrasts.csv ({len(result.table)} rows), contrasts.md, merged_units.csv, "

@@ -21,9 +21,9 @@ rate under any dependence:  p_(i) ↦ max_{j ≤ i} min(1, (m − j + 1) p_(j)).
 Pooled contrasts (`contrast_table`, contrasts.csv): pre-specified groups of presets (critic vs
 critic-free, token vs turn ratio, uncorrected vs corrected) and each corrected preset against
 its uncorrected one, the same two tests per x (the row `two_group_tests` builds for a pair
-too), Holm over the whole table. The critic warm-start comparison: `analysis.critic`.
+too), Holm over the whole table. The critic warm-start comparison: `analysis.studies.critic_warmstart`.
 
-`python -m analysis.frontier (--parquet DIR … | --experiment NAME … [--tracking-uri URI])
+`python -m analysis.studies.frontier (--parquet DIR … | --experiment NAME … [--tracking-uri URI])
 [--axis level|lag|both] --out DIR` writes cells.csv, pairwise.csv, contrasts.csv and
 fig_frontier (PNG, PDF; along both one panel per level) for the levels found (`--level-prefix`,
 default `frontier_`) or the lags, critic.csv when warm-started critics are there (experiments
@@ -50,18 +50,20 @@ import pandas as pd
 import scipy.stats as sps
 from matplotlib.figure import Figure
 
+from stppo import param_names as P
 from stppo.tracker import resolve_uri
 
-from .axes import AXES, as_tuple, axis_columns, axis_names, base_preset, lag_label, lag_order, with_axes
-from .collapse import collapse_table
-from .critic import critic_table, critic_table_by
-from .figures import fig_frontier, fig_frontier_grid
-from .identical import apart, once
-from .load import Study, load_study
-from .stats import bootstrap_mean_ci, finite_mean, welch_test
-from .store import AnalysisError
-from .tables import per_run_table
-from .warning import early_warning, fig_early_warning, run_statistics, threshold_sweep, warning_table
+from ..axes import AXES, as_tuple, axis_columns, axis_names, base_preset, lag_label, lag_order, with_axes
+from ..collapse import collapse_table
+from .critic_warmstart import critic_table, critic_table_by
+from ..figures import fig_frontier, fig_frontier_grid
+from ..group_tests import holm, two_group_tests
+from ..identical import once
+from ..load import Study, load_study
+from ..stats import bootstrap_mean_ci, finite_mean
+from ..store import AnalysisError
+from ..tables import per_run_table
+from ..warning import early_warning, fig_early_warning, run_statistics, threshold_sweep, warning_table
 
 
 def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -78,26 +80,12 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     return (0.0 if k == 0 else max(0.0, center - half)), (1.0 if k == n else min(1.0, center + half))
 
 
-def holm(pvalues: Sequence[float]) -> np.ndarray:
-    """Holm's step-down adjusted p-values (NaNs stay NaN and do not count in the family)."""
-    p = np.asarray(pvalues, dtype=float)
-    out = np.full(p.shape, np.nan)
-    ok = np.flatnonzero(np.isfinite(p))
-    if ok.size == 0:
-        return out
-    order = ok[np.argsort(p[ok], kind="stable")]
-    m = order.size
-    adjusted = np.minimum(1.0, (m - np.arange(m)) * p[order])
-    out[order] = np.maximum.accumulate(adjusted)
-    return out
-
-
 def level_order(names: Sequence[str], prefix: str = "frontier_") -> list[str]:
     """The study's levels (experiments named prefix + level), sorted by their level name."""
     return sorted({n for n in names if str(n).startswith(prefix)})
 
 
-LEVEL_KEYS = (("trainer.actor_lr", "lr {}"), ("trainer.ppo_epochs", "{} ep"), ("trainer.minibatch_size", "mb {}"))
+LEVEL_KEYS = ((P.ACTOR_LR.path, "lr {}"), (P.PPO_EPOCHS.path, "{} ep"), (P.MINIBATCH_SIZE.path, "mb {}"))
 
 
 def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]) -> dict[str, str]:
@@ -143,20 +131,6 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str]
                      "mean_ppo_kl": finite_mean(grp["mean_ppo_kl"]),
                      **{c: finite_mean(grp[c]) for c in means}})
     return pd.DataFrame(rows)
-
-
-def two_group_tests(a: pd.DataFrame, b: pd.DataFrame) -> dict:
-    """Two groups of runs, each identical unit once and without the units in both
-    (`identical.apart`; `shared_units` counts those): collapse counts and Fisher's exact test,
-    mean final success and Welch's t-test (the row of `pairwise_table` and of `contrast_table`,
-    before Holm). Nothing left on a side: counts 0/0 and NaN tests."""
-    a, b, shared = apart(a, b)
-    ka, kb = int(a["collapsed"].sum()), int(b["collapsed"].sum())
-    w = welch_test(a["final_success"], b["final_success"])
-    fisher = float(sps.fisher_exact([[ka, len(a) - ka], [kb, len(b) - kb]])[1]) if len(a) and len(b) else np.nan
-    return {"collapsed_a": f"{ka}/{len(a)}", "collapsed_b": f"{kb}/{len(b)}", "fisher_p": fisher,
-            "success_a": finite_mean(a["final_success"]), "success_b": finite_mean(b["final_success"]),
-            "welch_t": w["t"], "welch_p": w["p"], "shared_units": shared}
 
 
 def pairwise_table(runs: pd.DataFrame, *, x: Sequence[str] = ("experiment",)) -> pd.DataFrame:
@@ -328,14 +302,14 @@ def _load(a) -> Study:
     """The study of the command line: exported folders (only the `--experiment`s when given too),
     else the experiments from the tracking store."""
     if a.parquet:
-        from .export import load_exported
+        from ..export import load_exported
 
         return load_exported(a.parquet, a.experiment)
     return load_study(a.experiment, resolve_uri(a.tracking_uri))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.frontier", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.studies.frontier", description=__doc__.splitlines()[0])
     p.add_argument("--parquet", action="append", type=Path,
                    help="a folder written by `python -m analysis.export` (repeatable)")
     p.add_argument("--experiment", action="append",
@@ -344,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--axis", choices=tuple(AXES), default="level",
                    help="the frontier's x: level (the experiments named --level-prefix*, default), lag (the runs' "
-                        "trainer.offpolicy.lag, cells per lag mode), or both (one panel per level, lag across)")
+                        f"{P.LAG.path}, cells per lag mode), or both (one panel per level, lag across)")
     p.add_argument("--level-prefix", default="frontier_")
     p.add_argument("--thresholds", default="2,3,4,6,8",
                    help="alarm thresholds h of warning_thresholds.csv (comma-separated; default 2,3,4,6,8)")
@@ -370,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not a.no_warning:
             _write_warning(study, collapse, front, a.out, a.thresholds, a.warning_min_onset)
     except AnalysisError as e:
-        print(f"analysis.frontier: error: {e}", file=sys.stderr)
+        print(f"analysis.studies.frontier: error: {e}", file=sys.stderr)
         return 2
     where = {"level": f"{len(front.levels)} levels", "lag": f"lags {', '.join(map(str, front.lags))}",
              "both": f"{len(front.levels)} levels × lags {', '.join(map(str, front.lags))}"}[a.axis]

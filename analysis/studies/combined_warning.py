@@ -48,11 +48,11 @@ from scipy.optimize import minimize
 
 from stppo.alarms import AlarmConfig
 
-from .axes import base_preset
-from .collapse import collapse_table
-from .identical import one_per_unit
-from .store import AnalysisError
-from .warning import roc_auc, roc_curve, run_statistics
+from ..axes import base_preset
+from ..collapse import collapse_table
+from ..identical import one_per_unit
+from ..store import AnalysisError
+from ..warning import roc_auc, roc_curve, run_statistics
 
 Z_CLIP = 10.0
 COMBINED = "combined"
@@ -316,9 +316,9 @@ def evaluate(study, settings: Settings = Settings(), cfg: AlarmConfig | None = N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .export import load_exported
+    from ..export import load_exported
 
-    p = argparse.ArgumentParser(prog="python -m analysis.combined_warning", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.studies.combined_warning", description=__doc__.splitlines()[0])
     p.add_argument("--data", nargs="+", required=True, help="exported study folders (analysis.export)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--horizon", type=int, default=Settings.horizon)
@@ -330,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         study = load_exported(a.data)
         table, outcomes, coef = evaluate(study, Settings(a.horizon, a.l2, a.max_false_alarm), min_onset=a.min_onset)
     except AnalysisError as e:
-        print(f"python -m analysis.combined_warning: error: {e}", file=sys.stderr)
+        print(f"python -m analysis.studies.combined_warning: error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

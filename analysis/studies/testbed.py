@@ -1,6 +1,6 @@
 """The testbed's calibration table (docs/results/testbed): one row per run, and the targets.
 
-    python -m analysis.testbed --tracking-uri sqlite:///testbed.db [--tracking-uri URI …] --out docs/results/testbed
+    python -m analysis.studies.testbed --tracking-uri sqlite:///testbed.db [--tracking-uri URI …] --out docs/results/testbed
 
 Per run (experiments `testbed` — on-policy — and `testbed_reuse` — the minibatch-reuse regime —
 and any other given): the preset, model, seed and actor lr; the warm start's greedy validation
@@ -23,13 +23,14 @@ import numpy as np
 import pandas as pd
 
 from stppo import metric_names as T
+from stppo import param_names as P
 from stppo.tracker import resolve_uri
 
-from .axes import param_values
-from .export import merge_stores
-from .load import Study
-from .store import AnalysisError
-from .tables import per_run_table
+from ..export import merge_stores
+from ..load import Study
+from ..params import param_column
+from ..store import AnalysisError
+from ..tables import per_run_table
 
 ON_POLICY, REUSE = "testbed", "testbed_reuse"
 RISE, FALL = 0.2, 0.5  # the paper's shape: a rise of ≥ RISE, then below FALL × the peak
@@ -54,7 +55,7 @@ def live_shape(live: pd.Series) -> dict:
 def calibration_table(study: Study) -> pd.DataFrame:
     """One row per run (module docstring)."""
     runs = per_run_table(study)
-    runs["lr"] = pd.to_numeric(param_values(runs, study.params, "trainer.actor_lr"), errors="coerce").to_numpy()
+    runs["lr"] = pd.to_numeric(param_column(runs, study.params, P.ACTOR_LR)).to_numpy()
     m = study.metrics
     rows = []
     times = study.runs.set_index("run_id")[["start_time", "end_time"]]
@@ -119,7 +120,7 @@ def _line(ok: bool, what: str, shown: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m analysis.testbed", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m analysis.studies.testbed", description=__doc__.splitlines()[0])
     p.add_argument("--tracking-uri", action="append", default=None,
                    help="a calibration store (default: MLFLOW_TRACKING_URI); repeat to merge stores")
     p.add_argument("--experiment", nargs="+", default=[ON_POLICY, REUSE])
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         study = merge_stores(a.experiment, [resolve_uri(u) for u in (a.tracking_uri or [None])], finished_only=True)
     except AnalysisError as e:
-        print(f"python -m analysis.testbed: error: {e}", file=sys.stderr)
+        print(f"python -m analysis.studies.testbed: error: {e}", file=sys.stderr)
         return 2
     table = calibration_table(study)
     a.out.mkdir(parents=True, exist_ok=True)

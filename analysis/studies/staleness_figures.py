@@ -1,4 +1,4 @@
-"""The figures of study v3 from its cells (`analysis.staleness_runs.study_cells`), in the style of
+"""The figures of study v3 from its cells (`analysis.studies.staleness_runs.study_cells`), in the style of
 `analysis.figures` (plain Figures; Wilson 95% bars on collapse probabilities, percentile bootstrap
 95% bars on final success):
 
@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .axes import DEFAULT_LAG_MODE, lag_label, lag_order
-from .figures import FRONTIER_YLABEL, cell_errorbar, draw_frontier, fig_frontier, frontier_series
+from ..axes import DEFAULT_LAG_MODE, lag_label, lag_order
+from ..figures import FRONTIER_YLABEL, cell_errorbar, draw_frontier, fig_frontier, frontier_series
 from .staleness_runs import GPU, L1F, MODELS, PART2_LAGS, PART2_PRESETS, SIZE_GPU, SIZE_PRESETS
 
 LAG_XLABEL = "lag k: the batch of step t was sampled by the policy after step t − k"

@@ -24,14 +24,16 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .axes import LAG_PARAM, param_values, with_axes
-from .collapse import collapse_table
+from stppo import param_names as P
+
+from ..axes import with_axes
+from ..params import param_column, param_values
+from ..collapse import collapse_table
 from .frontier import cell_table
-from .load import Study
-from .tables import MISMATCH_MEANS, per_run_table
+from ..load import Study
+from ..tables import MISMATCH_MEANS, per_run_table
 
 L1F, L2, SIZE_GPU = "frontier_l1f", "frontier_l2", "staleness_size_gpu"
-DEVICE_PARAM = "trainer.device"
 CPU, GPU = "cpu", "gpu"
 PART1_LAGS = (0, 1, 2, 4, 8, 16, 24)
 PART2_LAGS = (0, 2, 8)
@@ -46,13 +48,13 @@ PART2_PRESETS = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "so_ppo", "grpo", "gspo",
 MODELS = ("tiny", "small", "base")  # in order of size
 UNFINISHED = ("RUNNING", "SCHEDULED")
 CELL_X = ("part", "machine", "model", "experiment", "lag", "lag_mode")
-PARTS = {"1": f"part 1 ({L1F}, tiny, CPU)", "2": f"part 2 ({L2} runs with {LAG_PARAM})",
+PARTS = {"1": f"part 1 ({L1F}, tiny, CPU)", "2": f"part 2 ({L2} runs with {P.LAG.path})",
          "3": f"part 3 ({L1F} small/base, {SIZE_GPU})"}
 
 
 def machine_column(runs: pd.DataFrame, params: pd.DataFrame) -> pd.Series:
     """cpu | gpu per run (module docstring)."""
-    device = param_values(runs, params, DEVICE_PARAM).fillna("").astype(str).str.lower()
+    device = param_column(runs, params, P.DEVICE).astype(str).str.lower()
     gpu = runs["experiment"].astype(str).eq(SIZE_GPU) | device.str.startswith("cuda")
     return gpu.map({True: GPU, False: CPU})
 
@@ -60,7 +62,7 @@ def machine_column(runs: pd.DataFrame, params: pd.DataFrame) -> pd.Series:
 def part_column(runs: pd.DataFrame, params: pd.DataFrame) -> pd.Series:
     """"1" | "2" | "3" per run, None for runs of no part (module docstring); `runs` has `machine`."""
     exp, model = runs["experiment"].astype(str), runs["model"].astype(str)
-    has_lag = param_values(runs, params, LAG_PARAM).notna()
+    has_lag = param_values(runs, params, P.LAG).notna()
     part = pd.Series(None, index=runs.index, dtype=object)
     part[exp.isin([L1F, SIZE_GPU])] = "3"
     part[exp.eq(L1F) & model.eq("tiny") & runs["machine"].eq(CPU)] = "1"
