@@ -3,6 +3,9 @@
 Hydra composes YAML from `conf/` over these schemas (type-checked by OmegaConf); `to_config`
 then builds the dataclasses, whose `__post_init__` rejects invalid settings with one line that
 names the field and the allowed values. Nothing mutates a config after that.
+Every default lives here, once: the default group files of `conf/` (trainer/default,
+tracking/mlflow, backend/own) set nothing, and `conf/` holds only what differs from these
+defaults (a preset, a model, a world, a study; tests/test_config_source.py checks both).
 Torch-free: importing this module is cheap.
 """
 
@@ -292,10 +295,12 @@ class RolloutSettings:
 
 @dataclass
 class WarmStartConfig:
+    """The SFT warm start on oracle demonstrations (stppo.train.warmstart); a (task, model) pair
+    with a recipe of its own takes it from conf/warmstart/TASK_MODEL.yaml."""
     enabled: bool = True
-    steps: int = 400
+    steps: int = 600
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 3e-3
     error_rate: float = 0.2  # oracle demonstrations with a wrong query/answer
     # multi-hop demonstrations that answer too early, with an intermediate entity (stppo.envs.oracle)
     shortcut_rate: float = 0.0
@@ -344,12 +349,17 @@ class OffPolicyConfig:
 
 @dataclass
 class TrainerConfig:
+    """The CPU default run (`python run.py`: st_ppo on tiny, on the testbed; docs/results/testbed):
+    16 questions x 4 samples per step; 2 epochs of 2 minibatches of 32 (4 optimizer steps per
+    rollout, mildly off-policy); actor lr 1e-4; 40 steps, live checks every 5 (`collapse`),
+    validation on 200 held-out questions every 10. The warm start is the (task, model) recipe of
+    conf/warmstart/ where one exists (testbed_tiny: greedy validation 0.26)."""
     total_steps: int = 40
     questions_per_step: int = 16
     group_size: int = 4  # samples per question (GRPO groups; also used by GAE presets)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 2
     critic_warmup: int = 0  # first steps train only the critic (GAE presets), as in verl
-    minibatch_size: int = 64  # trajectories per optimizer step
+    minibatch_size: int = 32  # trajectories per optimizer step
     # Gradient accumulation: forward/backward this many trajectories at a time inside each
     # minibatch (per rank under torchrun), with the whole minibatch's loss and gradient
     # (stppo.train.microbatch); also the row chunk of the no-grad forwards. 0 = whole minibatch.
@@ -360,7 +370,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     val_every: int = 10
     val_questions: int = 200
-    save_every: int = 10
+    save_every: int = 20
     resume: bool = False
     stop_on_collapse: bool = False
     exact_clip_bias_every: int = 0  # diagnostics: exact ‖C‖ every k optimizer steps (0 = never)
