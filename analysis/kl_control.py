@@ -25,9 +25,9 @@ import pandas as pd
 
 from stppo import param_names as P
 
-from .params import param_column
 from .group_tests import two_group_tests
 from .identical import once
+from .params import param_column
 from .stats import finite_mean, welch_test
 
 KL_MATCH_COLUMNS = (
