@@ -569,12 +569,19 @@ def _check_on_alarm(cfg: "Config") -> None:
 
 
 def register_configs() -> None:
-    """Register the root schema with Hydra's ConfigStore (idempotent)."""
+    """Register the root schema with Hydra's ConfigStore and the plugins' preset folders with its
+    search path (both idempotent). Hydra 1.4 finds the search-path plugin by its entry point
+    (pyproject.toml); 1.3 (verl's environment) does not read entry points, so it is registered
+    here too — Hydra keeps one registration of a class."""
     from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    from stppo.hydra_search_path import StppoSearchPath
 
     cs = ConfigStore.instance()
     if "stppo_schema.yaml" not in cs.repo:
         cs.store(name="stppo_schema", node=Config)
+    Plugins.instance().register(StppoSearchPath)
 
 
 def to_config(cfg: DictConfig | dict) -> Config:

@@ -68,10 +68,10 @@ def test_without_the_target_verl_rejects_stppo_knobs_and_the_preset_defaults_app
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ((f"+{PL}.estimator=grad",), "estimator=grad: correction estimator 'grad' needs the policy "
+    ((f"+{PL}.estimator=grad",), "estimator=grad: clip-bias estimator 'grad' needs the policy "
                                  "parameters, which verl does not pass"),
-    ((f"+{PL}.tau=-1",), r"actor.policy_loss \(stppo_st_ppo\): correction.tau must be a number"),
-    ((f"+{PL}.granularity=turn",), "correction.granularity='turn' is not valid"),
+    ((f"+{PL}.tau=-1",), r"actor.policy_loss \(stppo_st_ppo\): clip_bias.tau must be a number"),
+    ((f"+{PL}.granularity=turn",), "clip_bias.granularity='turn' is not valid"),
     ((f"{PL}.loss_mode=vanilla", f"+{PL}.tau=0.3"), "act on the stppo_\\* loss modes only"),
     ((f"{PL}.loss_mode=stppo_nope",), "'stppo_nope' is not an stppo loss; allowed: stppo_ppo"),
     ((f"+{PL}.max_turns=-1",), "actor.policy_loss.max_turns must be an integer >= 0, got -1"),

@@ -47,10 +47,10 @@ def test_verl_reads_the_converted_synthetic_task_with_its_dataset_class(tmp_path
     assert len(ds) == 24  # none dropped by verl's over-long prompt filter
     from stppo.envs import build_task
 
-    q = build_task("synthetic_multihop", **dict(cfg.task.options)).split("train")[5]
+    q = build_task(cfg.task.name, **dict(cfg.task.options)).split("train")[5]
     item = ds[5]
     assert item["raw_prompt"] == [{"role": "user", "content": SEARCH_R1_TEMPLATE.format(question=q.question.rstrip("?") + "?")}]
-    assert item["data_source"] == "synthetic_multihop" and item["agent_name"] == O.AGENT_LOOP
+    assert item["data_source"] == cfg.task.name == "testbed" and item["agent_name"] == O.AGENT_LOOP
     assert list(item["reward_model"]["ground_truth"]["target"]) == list(q.golden_answers)
     assert item["tools_kwargs"] == {"search": {"create_kwargs": {"question_id": q.id}}} and item["index"] == 5
     tools = D.tool_config(cfg, out.dir / "corpus.jsonl")["tools"][0]

@@ -14,7 +14,7 @@ from stppo.algos import LOSS_MODES, PRESETS, turn_breakdown
 from stppo.algos.ratios import importance_ratio
 from stppo.algos.segments import turn_ids_from_mask
 from stppo.algos.surrogate import clipped_surrogate
-from stppo.integrations.verl.metrics import LOSS_COPIES, TURN_WEIGHTED, copy_values, turn_copies
+from stppo.integrations.verl.metrics import LOSS_COPIES, TURN_WEIGHTED, copy_values, namespace_copies, turn_copies
 
 TURNS = 4
 MEANS = ("pg_clipfrac", "ratio_mean", "adv_mean", "ppo_kl", "tokens")  # token means (and tokens per row)
@@ -81,11 +81,13 @@ def test_every_key_a_loss_returns_reaches_stppos_name_in_a_verl_run(actor_config
     _, metrics, _ = run_ppo_loss(actor_config(f"stppo_{preset}", max_turns=TURNS), b, micro=len(b.prompts))
     returned = floats(metrics[0])
     logged = rename_dict(returned, "actor/")
+    namespace = LOSS_MODES[PRESETS[preset].loss_mode].namespace  # a plugin mode's own metrics
     run = {**{k: v for k, v in logged.items() if k.startswith("actor/")},
-           **copy_values((*LOSS_COPIES, *turn_copies(TURNS)), logged)}
+           **copy_values((*LOSS_COPIES, *turn_copies(TURNS), *namespace_copies(namespace, logged)), logged)}
+    own = f"{namespace}/"
     for k, v in returned.items():
         turn = K.parse_turn_key(k)
-        assert K.known_metric(k), k
+        assert K.known_metric(k) or k.startswith(own), k
         if turn is None or turn[1] == "tokens":
             assert run[k] == v, k
         elif returned[K.turn_key(turn[0], "tokens")] > 0:
