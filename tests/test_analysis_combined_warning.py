@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.studies.combined_warning import (BEST_SINGLE, COMBINED, Settings, cross_validate, false_alarm_threshold,
-                                       feature_frame, fit_logistic, main, run_balanced_weights, run_outcomes,
-                                       step_labels, summary_table)
+from analysis.logistic import false_alarm_threshold, fit_logistic, run_balanced_weights
+from analysis.studies.combined_warning import (BEST_SINGLE, COMBINED, Settings, cross_validate, feature_frame, main,
+                                               run_outcomes, step_labels, summary_table)
 
 
 def _newton(x, y, w, l2):
