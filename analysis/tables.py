@@ -181,3 +181,12 @@ def growth_summary(growth: pd.DataFrame) -> pd.DataFrame:
     g = growth.groupby(["algo", "model", "task", "collapsed"], sort=True)
     return g.agg(runs=("run_id", "count"), median_growth_rate=("growth_rate", "median"),
                  median_r2=("r2", "median")).reset_index()
+
+
+def repeated_seeds(runs: pd.DataFrame, study: Study, key: Sequence[str]) -> pd.Series:
+    """Per run of a per-run table: whether an earlier-started run has the same values of `key` (a
+    cell's seed run twice — a multirun repeated — is one replicate, not two: the first is kept)."""
+    start = runs["run_id"].map(study.runs.set_index("run_id")["start_time"])
+    return runs.assign(_start=start).sort_values("_start", kind="stable").duplicated(
+        list(key), keep="first").reindex(runs.index)
+

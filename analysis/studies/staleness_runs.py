@@ -31,7 +31,7 @@ from ..params import param_column, param_values
 from ..collapse import collapse_table
 from .frontier import cell_table
 from ..load import Study
-from ..tables import MISMATCH_MEANS, per_run_table
+from ..tables import MISMATCH_MEANS, per_run_table, repeated_seeds
 
 L1F, L2, SIZE_GPU = "frontier_l1f", "frontier_l2", "staleness_size_gpu"
 CPU, GPU = "cpu", "gpu"
@@ -87,10 +87,7 @@ def study_runs(study: Study, collapse: pd.DataFrame | None = None) -> StudyRuns:
     running = mine["status"].astype(str).isin(UNFINISHED)
     other = tuple(sorted(set(every.loc[every["part"].isna(), "experiment"].astype(str))))
     done = mine[~running]
-    # A cell's seed run twice (a multirun repeated) is one replicate, not two: the first is kept.
-    start = done["run_id"].map(study.runs.set_index("run_id")["start_time"])
-    repeat = done.assign(_start=start).sort_values("_start", kind="stable").duplicated(
-        [*CELL_X, "algo", "seed"], keep="first").reindex(done.index)
+    repeat = repeated_seeds(done, study, [*CELL_X, "algo", "seed"])
     kept = done[~repeat]
     return StudyRuns(kept.reset_index(drop=True), int(running.sum()), other, int(repeat.sum()))
 

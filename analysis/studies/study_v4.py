@@ -52,7 +52,7 @@ from ..identical import merged_units
 from ..kl_control import kl_matched_table, with_lr
 from ..load import Study
 from ..store import AnalysisError
-from ..tables import per_run_table
+from ..tables import per_run_table, repeated_seeds
 from .frontier import cell_table
 
 ON, REUSE, PILOT = "testbed", "testbed_reuse", "study_v4_pilot"
@@ -105,9 +105,7 @@ def v4_runs(study: Study) -> V4Runs:
     other = int((every["level"].isna() & ~every.index.isin(pilot.index)).sum())
     running = mine["status"].astype(str).isin(UNFINISHED)
     done = mine[~running]
-    start = done["run_id"].map(study.runs.set_index("run_id")["start_time"])
-    repeat = done.assign(_start=start).sort_values("_start", kind="stable").duplicated(
-        [*CELL, "algo", "seed"], keep="first").reindex(done.index)
+    repeat = repeated_seeds(done, study, [*CELL, "algo", "seed"])
     return V4Runs(done[~repeat].reset_index(drop=True), pilot.reset_index(drop=True), int(running.sum()),
                   other, int(repeat.sum()))
 
