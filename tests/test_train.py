@@ -135,15 +135,21 @@ def test_warm_start_is_cached_and_shared_across_presets_and_seeds(tiny_cfg, monk
 
 @pytest.mark.parametrize("algo", ["grpo", "st_ppo"])
 def test_update_moves_likelihood_in_the_direction_of_the_advantage(tiny_cfg, algo):
-    """End to end through rollout → prepare → actor update: trajectories with positive advantage
-    become more likely, those with negative advantage less likely."""
+    """End to end through rollout → prepare → actor update, one small SGD step on the whole batch:
+    to first order it changes a function F of the weights by lr·∇F·g (g: minus the loss's clipped
+    gradient), whatever batch this CPU's kernels sample. So the actor loss on that batch falls
+    (F = −L), and for grpo — token-level ratios, one advantage per trajectory, where ∇L = −∇J —
+    the advantage-weighted log-likelihood J = Σ w·A·log π (w: the loss's aggregation weights)
+    rises: trajectories become likelier in proportion to their advantage. (Adam's sign-like step
+    promises no such order, and which way one trajectory moves depends on the sampled batch.)"""
     from dataclasses import replace
 
+    from stppo.algos.aggregation import agg_weights
     from stppo.models import policy_log_probs
     from stppo.rollout import rollout
     from stppo.train.loop import rollout_config
     from stppo.train.prepare import prepare_batch
-    from stppo.train.update import UpdateContext, actor_update
+    from stppo.train.update import UpdateContext, _actor_loss, actor_update
 
     cfg = to_config(tiny_cfg(f"algo={algo}", "tracking.enabled=false", "trainer.questions_per_step=8"))
     c = build_components(cfg, progress=False)
@@ -152,17 +158,25 @@ def test_update_moves_likelihood_in_the_direction_of_the_advantage(tiny_cfg, alg
                     generator=torch.Generator().manual_seed(0))
     batch, _ = prepare_batch(batch, c.policy, c.critic, None, cfg.algo)
 
-    def seq_log_probs():
+    def log_probs():
         with torch.no_grad():
-            lp = policy_log_probs(c.policy, batch.input_ids, batch.attention_mask)
-        return torch.where(batch.loss_mask, lp, 0.0).sum(1)
+            return policy_log_probs(c.policy, batch.input_ids, batch.attention_mask)
 
-    before = seq_log_probs()
-    opt = torch.optim.AdamW(c.policy.parameters(), lr=3e-4)
+    batch = replace(batch, old_log_probs=log_probs())  # π_old fixed: the loss after the step is comparable
     tr = replace(cfg.trainer, minibatch_size=len(batch), ppo_epochs=1)
-    actor_update(c.policy, opt, batch, UpdateContext(cfg.algo, tr, torch.Generator().manual_seed(0)))
-    moved = seq_log_probs() - before
-    adv = torch.where(batch.loss_mask, batch.advantages, 0.0).sum(1) / batch.loss_mask.sum(1)
-    pos, neg = adv > 0.1, adv < -0.1
-    assert pos.any() and neg.any()
-    assert moved[pos].mean() > 0 > moved[neg].mean()
+    ctx = UpdateContext(cfg.algo, tr, torch.Generator().manual_seed(0))
+    w = agg_weights(batch.loss_mask, cfg.algo.loss_agg, dtype=torch.float64)
+
+    def surrogate() -> float:
+        lp = torch.where(batch.loss_mask, log_probs(), 0.0).double()
+        return float((w * batch.advantages.double() * lp).sum())
+
+    def loss() -> float:
+        with torch.no_grad():
+            return float(_actor_loss(c.policy, batch, ctx)[0])
+
+    j0, l0 = surrogate(), loss()
+    actor_update(c.policy, torch.optim.SGD(c.policy.parameters(), lr=1e-2), batch, ctx)
+    assert loss() < l0
+    if algo == "grpo":
+        assert surrogate() > j0
