@@ -1,7 +1,7 @@
 """Study v4 (docs/results/study_v4/README.md): its runs sorted into off-policy levels, its cells,
 the pre-specified contrasts D1–D8 and the KL-matched control.
 
-    python -m analysis.studies.study_v4 --data docs/results/study_v4/data/* --out docs/results/study_v4
+    python -m analysis.studies.study_v4 --data docs/results/study_v4/data --out docs/results/study_v4
     python -m analysis.studies.study_v4 --tracking-uri sqlite:///study_v4.db --out OUT   # from the store
 
 Runs (the testbed's experiments: `testbed` — on-policy and the stale levels — and `testbed_reuse`;
