@@ -188,7 +188,11 @@ def _p(p: float, holm: float) -> str:
 
 
 def _diff(d: float, low: float, high: float) -> str:
-    return "–" if not np.isfinite(d) else f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
+    """The difference with its interval; a row without one (v4's D4, from the KL-matched control)
+    shows the difference alone."""
+    if not np.isfinite(d):
+        return "–"
+    return f"{d:+.2f}" if not (np.isfinite(low) and np.isfinite(high)) else f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 
 def _pair(a: float, b: float) -> str:
