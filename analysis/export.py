@@ -2,7 +2,7 @@
 finished and analysed together without the MLflow store it was run in.
 
     python -m analysis.export --experiment frontier_l1 [--experiment …] --out DIR [--tracking-uri URI …]
-        [--finished-only]
+        [--finished-only] [--with-exported DIR …]
 
 writes DIR/runs.parquet (one row per run: tags, status, collapse settings), DIR/metrics.parquet
 (the tidy frame of `load_study`: run_id, experiment, algo, model, task, seed, status, step, metric,
@@ -11,7 +11,9 @@ folders into a `Study` (runs of the same id are taken once), which `analysis.rep
 and every table and figure function accept like a study loaded from MLflow. Several
 `--tracking-uri`s (the per-run stores of a study run elsewhere, scripts/staleness_gpu.sh) are
 merged into one folder; `--finished-only` leaves out runs that did not finish (killed at a
-deadline).
+deadline). `--with-exported DIR` adds the runs of folders exported before (a study continued on
+another machine, whose earlier store is gone); DIR may be `--out` itself, which is read before it is
+written.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def load_exported(folders: str | Path | Sequence[str | Path],
     """A Study from exported folders (optionally only some experiments). A missing folder or file
     is one `AnalysisError` line."""
     folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+    return _merge(_read_folders(folders), PARQUET_URI + ",".join(map(str, folders)), experiments)
+
+
+def _read_folders(folders: Sequence[str | Path]) -> dict[str, list[pd.DataFrame]]:
+    """The runs, metrics and params frames of exported folders, as `_merge`'s parts."""
     parts = {name: [] for name in FILES}
     for folder in map(Path, folders):
         for name in FILES:
@@ -57,7 +64,7 @@ def load_exported(folders: str | Path | Sequence[str | Path],
                 raise AnalysisError(f"{path} does not exist: export a study there with "
                                     "`python -m analysis.export --experiment NAME --out DIR`")
             parts[name].append(pd.read_parquet(path))
-    return _merge(parts, PARQUET_URI + ",".join(map(str, folders)), experiments)
+    return parts
 
 
 def _merge(parts: dict[str, list[pd.DataFrame]], uri: str, experiments: Sequence[str] | None = None) -> Study:
@@ -84,11 +91,14 @@ def _merge(parts: dict[str, list[pd.DataFrame]], uri: str, experiments: Sequence
     return Study(uri, names, runs.reset_index(drop=True), metrics, params.reset_index(drop=True))
 
 
-def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_only: bool = False) -> Study:
+def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_only: bool = False,
+                 exported: Sequence[str | Path] = ()) -> Study:
     """One Study of `experiments` from several MLflow stores, each store giving those of them it
     holds (a store holding none is skipped; none holding any is one `AnalysisError` line; a store
-    that does not exist is an error); `finished_only` keeps the FINISHED runs."""
-    parts = {name: [] for name in FILES}
+    that does not exist is an error), and from folders exported before (`exported`: their runs of
+    `experiments`; a run also in a store is taken from the store); `finished_only` keeps the
+    FINISHED runs."""
+    parts = _read_folders(exported)
     for uri in uris:
         held = [e for e in dict.fromkeys(experiments) if e in list_experiments(uri)]
         if not held:
@@ -103,7 +113,8 @@ def merge_stores(experiments: Sequence[str], uris: Sequence[str], *, finished_on
     if not parts["runs"]:
         raise AnalysisError(f"no {'finished ' if finished_only else ''}runs of "
                             f"{', '.join(experiments)} in {len(uris)} store(s)")
-    return _merge(parts, ",".join(uris))
+    sources = list(uris) + [PARQUET_URI + str(f) for f in exported]
+    return _merge(parts, ",".join(sources), experiments)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,10 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", action="append", default=None,
                    help="default: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; repeat to merge stores")
     p.add_argument("--finished-only", action="store_true", help="leave out runs that did not finish")
+    p.add_argument("--with-exported", action="append", default=[], metavar="DIR",
+                   help="a folder exported before whose runs join the store's (repeatable; may be --out)")
     a = p.parse_args(argv)
     try:
         uris = [resolve_uri(u) for u in (a.tracking_uri or [None])]
-        if len(uris) == 1 and not a.finished_only:
+        if a.with_exported:
+            study = merge_stores(a.experiment, uris, finished_only=a.finished_only, exported=a.with_exported)
+        elif len(uris) == 1 and not a.finished_only:
             study = load_study(a.experiment, uris[0])
         else:
             study = merge_stores(a.experiment, uris, finished_only=a.finished_only)

@@ -239,8 +239,9 @@ TAG_GIT_COMMIT = "git_commit"
 TAG_TRIAL = "trial"
 TAG_STUDY = "study"
 TAG_BACKEND = "backend"  # 'verl' on runs trained by verl (stppo.integrations.verl); absent: own trainer
+TAG_HOST = "host"  # the device the run trained on: 'cpu:AVX512' (torch's CPU kernels), 'cuda:NVIDIA H200'
 TAG_STOPPED = "stopped"  # why a run was stopped early: 'collapse at step S …' or 'alarm NAME at step S'
-RUN_TAGS: tuple[str, ...] = (TAG_ALGO, TAG_MODEL, TAG_TASK, TAG_SEED, TAG_SWEEP, TAG_GIT_COMMIT)
+RUN_TAGS: tuple[str, ...] = (TAG_ALGO, TAG_MODEL, TAG_TASK, TAG_SEED, TAG_SWEEP, TAG_GIT_COMMIT, TAG_HOST)
 
 
 def reduce_name(key: str) -> str:

@@ -89,3 +89,32 @@ def test_stores_merge_into_one_folder_without_unfinished_runs(known_uri, tmp_pat
     # a store that does not exist is an error, not a store without the experiment
     assert main([*args, "--tracking-uri", f"sqlite:///{tmp_path / 'typo.db'}", "--out", str(tmp_path / "t")]) == 2
 
+
+
+def test_a_study_continues_from_its_exported_folder(known_uri, tmp_path, cache_tmp):
+    """A study continued on another machine: the first part's exported folder plus the new
+    store's runs give one folder with every run once, written over the folder it read; the
+    experiments asked for filter both; a folder that does not exist is one error."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    study = load_study(KNOWN, known_uri)
+    ids = list(study.runs["run_id"])
+    first = set(ids[:2])
+    keep = study.runs["run_id"].isin(first)
+    export_study(type(study)(study.uri, study.experiments, study.runs[keep],
+                             study.metrics[study.metrics["run_id"].astype(str).isin(first)],
+                             study.params[study.params["run_id"].isin(first)]), tmp_path / "data")
+    shutil.copy(known_uri.removeprefix("sqlite:///"), tmp_path / "new.db")
+    new = f"sqlite:///{tmp_path / 'new.db'}"
+    MlflowClient(new).delete_run(ids[0])  # the new store: every run but the first
+    args = ["--experiment", KNOWN, "--tracking-uri", new, "--finished-only"]
+    assert main([*args, "--with-exported", str(tmp_path / "data"), "--out", str(tmp_path / "data")]) == 0
+    back = load_exported(tmp_path / "data")
+    assert sorted(back.runs["run_id"]) == sorted(ids)
+    keys = ["run_id", "metric", "step"]
+    pd.testing.assert_frame_equal(_sorted(back.metrics, keys), _sorted(study.metrics, keys))
+    assert main(["--experiment", "other", "--tracking-uri", new, "--with-exported", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert main([*args, "--with-exported", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2

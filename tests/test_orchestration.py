@@ -63,6 +63,7 @@ def _assert_complete(client: MlflowClient, run, steps: int) -> None:
     assert run.info.status == "FINISHED", run.data.tags.get("error")
     for tag in K.RUN_TAGS:
         assert run.data.tags.get(tag), f"tag {tag} missing"
+    assert run.data.tags[K.TAG_HOST] == f"cpu:{torch.backends.cpu.get_cpu_capability()}"
     assert run.data.params["algo.name"] == run.data.tags[K.TAG_ALGO]
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
     critic = run.data.tags[K.TAG_ALGO] in CRITIC_PRESETS

@@ -33,6 +33,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def host_tag(device: torch.device) -> str:
+    """What the run trained on, as far as it can change the numbers: the GPU's name, or the CPU
+    kernels torch dispatches to (runs of one seed on AVX-512 and on AVX2 differ in the last bits,
+    and a long RL run can turn that into a different trajectory)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{torch.backends.cpu.get_cpu_capability()}"
+
+
 def run_tags(cfg: Config) -> dict[str, str]:
     return {K.TAG_ALGO: cfg.algo.name, K.TAG_MODEL: cfg.model.name, K.TAG_TASK: cfg.task.name,
             K.TAG_SEED: str(cfg.seed), K.TAG_SWEEP: cfg.tracking.sweep, K.TAG_GIT_COMMIT: git_commit(),
@@ -71,13 +80,14 @@ def run(cfg_in: DictConfig | Config | dict) -> float:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.seed)
-    distributed.init(device_of(cfg))
+    device = device_of(cfg)
+    distributed.init(device)
     run_dir = run_dir_for(cfg)
     state = checkpoint.load(run_dir) if cfg.trainer.resume else None
     prev_id = read_run_info(run_dir).get("mlflow_run_id") if cfg.trainer.resume else None
     tracker = Tracker(cfg.tracking.uri, cfg.tracking.experiment, buffer_dir=cfg.tracking.buffer_dir,
                       enabled=cfg.tracking.enabled and d.is_main)
-    run_id = tracker.start(tags={**run_tags(cfg), **_dist_tags(d)}, params=run_params(cfg),
+    run_id = tracker.start(tags={**run_tags(cfg), K.TAG_HOST: host_tag(device), **_dist_tags(d)}, params=run_params(cfg),
                            run_name=cfg.tracking.run_name or run_dir.name, run_id=prev_id,
                            artifacts={"config.yaml": resolved_yaml(cfg)})
     if d.is_main:
