@@ -72,7 +72,7 @@ def _note(ax, text: str) -> None:
     ax.set_yticks([])
 
 
-def _grid(n: int, ncols: int, width: float = 5.2, height: float = 3.0) -> tuple[Figure, list]:
+def panel_grid(n: int, ncols: int, width: float = 5.2, height: float = 3.0) -> tuple[Figure, list]:
     ncols = max(1, min(ncols, n))
     nrows = -(-n // ncols)
     fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
@@ -99,7 +99,7 @@ def fig_collapse_diagnosis(metrics: pd.DataFrame, run_id: str, *, collapse_step:
         ("grad norm (pre-clip)", (T.GRAD_NORM, T.GRAD_NORM_MAX)),
         ("success rate", (T.SUCCESS_RATE, T.VAL_SUCCESS_RATE)),
     ] + [(m, (m,)) for m in extra_metrics]
-    fig, axes = _grid(len(panels), 2)
+    fig, axes = panel_grid(len(panels), 2)
     run = metrics[metrics["run_id"] == run_id]
     for ax, (name, keys) in zip(axes, panels):
         drawn = 0
@@ -140,7 +140,7 @@ def _label(row: pd.Series, multi_model: bool, multi_task: bool) -> str:
     return " · ".join(parts)
 
 
-def _band_panel(ax, metrics: pd.DataFrame, metric: str, *, smoothing: float, log_scale: bool,
+def band_panel(ax, metrics: pd.DataFrame, metric: str, *, smoothing: float, log_scale: bool,
                 title: str | None = None) -> None:
     """Mean and 95% band across seeds of `metric`, one line per (algo, model, task); seed counts
     written where they drop."""
@@ -186,9 +186,9 @@ def _seed_counts(ax, grp: pd.DataFrame, color) -> None:
 def _band_figure(metrics: pd.DataFrame, keys: Sequence[str], *, presets, models, smoothing: float,
                  log_keys: Sequence[str], title: str, ncols: int = 2) -> Figure:
     sub = _filter(metrics, presets, models)
-    fig, axes = _grid(len(keys), ncols)
+    fig, axes = panel_grid(len(keys), ncols)
     for ax, key in zip(axes, keys):
-        _band_panel(ax, sub, key, smoothing=smoothing, log_scale=key in log_keys)
+        band_panel(ax, sub, key, smoothing=smoothing, log_scale=key in log_keys)
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -209,9 +209,9 @@ def fig_success_by_preset(metrics: pd.DataFrame, *, presets: Sequence[str] | Non
     sub = _filter(metrics, presets, models)
     key = T.VAL_SUCCESS_RATE if (sub["metric"] == T.VAL_SUCCESS_RATE).any() else T.SUCCESS_RATE
     names = sorted(sub["model"].astype(str).unique()) or ["(no runs)"]
-    fig, axes = _grid(len(names), 3)
+    fig, axes = panel_grid(len(names), 3)
     for ax, model in zip(axes, names):
-        _band_panel(ax, sub[sub["model"] == model], key, smoothing=smoothing, log_scale=False,
+        band_panel(ax, sub[sub["model"] == model], key, smoothing=smoothing, log_scale=False,
                     title=f"{key} — model {model}")
         ax.set_ylim(-0.02, 1.02)
     fig.suptitle("success by preset across seeds (mean and 95% CI)", fontsize=11)

@@ -139,6 +139,7 @@ def test_cli_on_exported_synthetic_runs(tmp_path, capsys, monkeypatch):
     assert "tiny lag2: 4; tiny on: 4; tiny reuse: 4 (pilot 1; left out: 0 unfinished, 0 repeats, 2 of no level)" in said
     runs = pd.read_csv(out / "runs.csv")
     assert set(runs["algo"]) == {"ppo", "st_ppo"} and len(runs) == 12
+    assert set(runs["host"]) == {"cpu (not recorded)"}  # the fixture's runs carry no host tag
     con = pd.read_csv(out / "contrasts.csv").set_index(["contrast", "level", "a"])
     assert con.loc[("D3", "lag2", "st_ppo"), ["collapsed_a", "collapsed_b"]].tolist() == ["1/2", "2/2"]
     assert con.loc[("D3", "reuse", "st_ppo"), ["collapsed_a", "collapsed_b"]].tolist() == ["0/2", "2/2"]
@@ -151,7 +152,59 @@ def test_cli_on_exported_synthetic_runs(tmp_path, capsys, monkeypatch):
     assert len(pd.read_csv(out / "merged_units.csv")) == 2
     # seeds 0 and 1 only: the seed split has nothing to hold out
     assert hazard.loc[hazard["validation"] == "seeds 0–2 → 3–4", "model"].str.startswith("not computed").all()
-    for name in ("cells.csv", "merged_units.csv", "kl_control.csv", "not_computed.txt", "hazard_compare.csv"):
+    for name in ("cells.csv", "merged_units.csv", "kl_control.csv", "not_computed.txt", "hazard_compare.csv",
+                 "outcomes.png"):
         assert (out / name).exists()
+    # these synthetic runs log no live checks, and have no learning-rate ladder: nothing to draw
+    assert not (out / "live_curves.png").exists() and not (out / "kl_control.png").exists()
+    cells = pd.read_csv(out / "cells.csv")
+    assert (cells["val_auc_low"] <= cells["val_auc"]).all() and (cells["val_auc"] <= cells["val_auc_high"]).all()
     assert main(["--data", str(tmp_path / "data" / "study_v4_pilot"), "--out", str(out)]) == 2
     assert "no run of study v4's levels" in capsys.readouterr().err
+
+
+def test_kl_control_figure_draws_the_ladder_and_the_stabilisers_each_unit_once():
+    from analysis.studies.study_v4 import KL_STABILISERS
+    from analysis.studies.study_v4_figures import fig_kl_control
+
+    runs = _runs()
+    fig = fig_kl_control(runs, lr=LR, stabilisers=KL_STABILISERS)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert labels == ["ppo, lr 5e-05", "ppo, lr 0.0001", "ppo, lr 0.0002",
+                      *(f"{a}, lr 0.0002" for a in KL_STABILISERS)]
+    # per series: the finite points (kept and collapsed, hollow) and the mean: 5 runs each
+    offsets = [len(c.get_offsets()) for c in fig.axes[0].collections]
+    assert sum(offsets) == 6 * (5 + 1)
+    assert fig_kl_control(runs[runs["lr"] == LR], lr=LR, stabilisers=KL_STABILISERS) is None
+
+
+def test_live_curves_take_each_unit_once_under_its_v4_label():
+    from types import SimpleNamespace
+
+    from analysis.studies.study_v4 import LEVELS
+    from analysis.studies.study_v4_figures import LIVE, fig_live_curves, live_frame
+
+    runs = pd.DataFrame({"run_id": ["a", "b", "c", "d"], "unit": ["a", "a", "c", "d"],
+                         "algo": ["ppo", "ppo", "st_ppo", "grpo+decoupled_token_is"],
+                         "level": ["lag2", "lag2", "lag2", "reuse"], "model": "tiny", "lr": [LR, LR, LR, 1e-4]})
+    # the store's algo tag of a coupled run is its preset label with the correction
+    tags = {"a": "ppo+bypass_ppo_clip", "b": "ppo+bypass_ppo_clip", "c": "st_ppo+bypass_ppo_clip",
+            "d": "grpo+decoupled_token_is"}
+    metrics = pd.DataFrame([{"run_id": r, "algo": tags[r], "model": "tiny", "task": "testbed", "metric": m,
+                             "step": t, "value": 0.5} for r in "abcd" for m in (LIVE, "other") for t in (0, 5)])
+    m = live_frame(SimpleNamespace(metrics=metrics), runs, model="tiny", lr=LR)
+    assert sorted(set(zip(m["run_id"], m["algo"], m["level"]))) == [("a", "ppo", "lag2"), ("c", "st_ppo", "lag2")]
+    assert len(m) == 4 and set(m["metric"]) == {LIVE}
+    fig = fig_live_curves(SimpleNamespace(metrics=metrics), runs, levels=LEVELS, lr=LR)
+    assert [ax.get_title() for ax in fig.axes] == [f"lag2: live success (tiny, lr {LR:g})"]
+
+
+def test_host_is_the_runs_tag_or_not_recorded():
+    from types import SimpleNamespace
+
+    from analysis.studies.study_v4 import NOT_RECORDED, host_column
+
+    study = SimpleNamespace(runs=pd.DataFrame({"run_id": ["a", "b", "c"], "host": ["cpu:AVX2", "", None]}))
+    assert host_column(study, pd.Series(["c", "a", "b"])).tolist() == [NOT_RECORDED, "cpu:AVX2", NOT_RECORDED]
+    older = SimpleNamespace(runs=pd.DataFrame({"run_id": ["a"]}))  # exported before the tag existed
+    assert host_column(older, pd.Series(["a"])).tolist() == [NOT_RECORDED]

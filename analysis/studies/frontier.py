@@ -106,11 +106,12 @@ def level_labels(runs: pd.DataFrame, params: pd.DataFrame, levels: Sequence[str]
 
 
 def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str] = ("experiment",),
-               means: Sequence[str] = ()) -> pd.DataFrame:
+               means: Sequence[str] = (), intervals: Sequence[str] = ()) -> pd.DataFrame:
     """One row per (x, algo) of a per-run table (`per_run_table`; x the columns of an axis of
     `analysis.axes.AXES`: by default the experiment = level). `means`: per-run columns whose mean
     over the cell's runs (finite values only) is added under the same name
-    (`tables.MISMATCH_MEANS`)."""
+    (`tables.MISMATCH_MEANS`); `intervals`: those of them that also get the bootstrap interval of
+    the mean (`{column}_low`, `{column}_high`)."""
     rows = []
     for key, grp in runs.groupby([*x, "algo"], sort=True):
         *xs, algo = as_tuple(key)
@@ -129,7 +130,9 @@ def cell_table(runs: pd.DataFrame, *, confidence: float = 0.95, x: Sequence[str]
                      "peak_grad_norm_low": g_low, "peak_grad_norm_high": g_high,
                      "mean_clipfrac": finite_mean(grp["mean_clipfrac"]),
                      "mean_ppo_kl": finite_mean(grp["mean_ppo_kl"]),
-                     **{c: finite_mean(grp[c]) for c in means}})
+                     **{c: finite_mean(grp[c]) for c in means},
+                     **{f"{c}_{side}": v for c in intervals
+                        for side, v in zip(("low", "high"), bootstrap_mean_ci(grp[c], confidence=confidence))}})
     return pd.DataFrame(rows)
 
 

@@ -6,7 +6,9 @@ the pre-specified contrasts D1–D8 and the KL-matched control.
 
 Runs (the testbed's experiments: `testbed` — on-policy and the stale levels — and `testbed_reuse`;
 the pilot's extra seed sits in `study_v4_pilot`, no part of any contrast) get the axis columns of
-`analysis.axes`, the actor learning rate `lr`, a `machine` (all cpu here) and a `level`:
+`analysis.axes`, the actor learning rate `lr`, a `machine` (all cpu here), the `host` it ran on (its
+tag: the CPU kernels torch used, which can change a run's trajectory) and a
+`level`:
 
     on     experiment `testbed`, lag 0;
     reuse  experiment `testbed_reuse`, lag 0 (`+regime=reuse`: 16 updates per batch);
@@ -54,6 +56,7 @@ from ..load import Study
 from ..store import AnalysisError
 from ..tables import per_run_table, repeated_seeds
 from .frontier import cell_table
+from .study_v4_figures import write_figures
 
 ON, REUSE, PILOT = "testbed", "testbed_reuse", "study_v4_pilot"
 EXPERIMENTS = (ON, REUSE, PILOT)
@@ -84,6 +87,18 @@ def level_column(runs: pd.DataFrame) -> pd.Series:
     return level
 
 
+NOT_RECORDED = "cpu (not recorded)"
+
+
+def host_column(study: Study, run_ids: pd.Series) -> np.ndarray:
+    """Each run's `host` tag (`cpu:AVX512`, `cpu:AVX2`, …: the CPU kernels torch trained with), or
+    `NOT_RECORDED` for a run made before the tag existed."""
+    tags = study.runs.set_index(study.runs["run_id"].astype(str))
+    host = tags["host"] if "host" in tags.columns else pd.Series(dtype=object)
+    host = host.reindex(run_ids.astype(str)).astype(object)
+    return host.where(host.notna() & host.astype(str).ne("") & host.astype(str).ne("nan"), NOT_RECORDED).to_numpy()
+
+
 @dataclass
 class V4Runs:
     runs: pd.DataFrame  # the per-run table of the levels' finished runs (module docstring)
@@ -97,6 +112,7 @@ def v4_runs(study: Study) -> V4Runs:
     """The per-run table of the study (module docstring)."""
     every = with_lr(with_axes(per_run_table(study), study.params), study.params)
     every["machine"] = "cpu"
+    every["host"] = host_column(study, every["run_id"])
     every["level"] = level_column(every).to_numpy()
     coupled = every["level"].isin(["lag2", "lag4"])
     every["algo"] = np.where(coupled, every["base_algo"].astype(str), every["algo"].astype(str))
@@ -222,17 +238,18 @@ def hazard_evaluation(study: Study, runs: pd.DataFrame, settings: hz.HazardSetti
 def write_study(study: Study, out: Path, *, n_boot: int = 10_000) -> tuple[V4Runs, engine.ContrastResult]:
     """The study's tables, written to `out`: runs.csv (one row per run), cells.csv,
     merged_units.csv (the identical-run units of more than one run, each counted once),
-    kl_control.csv, contrasts.csv and .md (D1–D8), not_computed.txt."""
+    kl_control.csv, contrasts.csv and .md (D1–D8), not_computed.txt, hazard.csv and
+    hazard_compare.csv, and the figures of `analysis.studies.study_v4_figures` that have runs."""
     vr = v4_runs(study)
     if vr.runs.empty:
         raise AnalysisError(f"no run of study v4's levels in {study.uri} (experiments there: "
                             f"{', '.join(map(str, study.experiments))}); its levels are {ON} at lag 0, 2 or 4 "
                             f"(the lags in the coupled form, {COUPLED}) and {REUSE}")
     out.mkdir(parents=True, exist_ok=True)
-    keep = ["run_id", "experiment", "level", "model", "lr", "algo", "seed", "unit", "collapsed", "collapse_step",
+    keep = ["run_id", "experiment", "host", "level", "model", "lr", "algo", "seed", "unit", "collapsed", "collapse_step",
             "final_success", "val_auc", "mean_step_kl", "mean_clipfrac", "peak_grad_norm", "last_step"]
     vr.runs[keep].sort_values(["model", "level", "lr", "algo", "seed"]).to_csv(out / "runs.csv", index=False)
-    cells = cell_table(vr.runs, x=CELL, means=("val_auc", "mean_step_kl"))
+    cells = cell_table(vr.runs, x=CELL, means=("val_auc", "mean_step_kl"), intervals=("val_auc",))
     cells.to_csv(out / "cells.csv", index=False)
     merged_units(vr.runs).to_csv(out / "merged_units.csv", index=False)
     kl_control(vr.runs).to_csv(out / "kl_control.csv", index=False)
@@ -243,6 +260,7 @@ def write_study(study: Study, out: Path, *, n_boot: int = 10_000) -> tuple[V4Run
     summary, comparisons = hazard_evaluation(study, vr.runs)
     summary.to_csv(out / "hazard.csv", index=False)
     comparisons.to_csv(out / "hazard_compare.csv", index=False)
+    write_figures(study, vr.runs, cells, out, levels=LEVELS, lr=LR, stabilisers=KL_STABILISERS)
     return vr, res
 
 
@@ -266,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f" (pilot {len(vr.pilot)}; left out: {vr.unfinished} unfinished, {vr.repeats} repeats"
           + f", {vr.other} of no level)")
     print(f"wrote runs.csv, cells.csv, merged_units.csv, kl_control.csv, contrasts.csv ({len(res.table)} rows), "
-          f"contrasts.md, not_computed.txt, hazard.csv, hazard_compare.csv to {a.out}")
+          f"contrasts.md, not_computed.txt, hazard.csv, hazard_compare.csv and the figures to {a.out}")
     for line in res.missing:
         print(f"  not computed: {line}")
     return 0
