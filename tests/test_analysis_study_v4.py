@@ -176,6 +176,12 @@ def test_kl_control_figure_draws_the_ladder_and_the_stabilisers_each_unit_once()
     offsets = [len(c.get_offsets()) for c in fig.axes[0].collections]
     assert sum(offsets) == 6 * (5 + 1)
     assert fig_kl_control(runs[runs["lr"] == LR], lr=LR, stabilisers=KL_STABILISERS) is None
+    # a rung above the study's rate: the stabilisers are still drawn at the study's rate
+    higher = runs[(runs["algo"] == "ppo") & (runs["lr"] == LR) & (runs["level"] == "reuse")].assign(
+        lr=4e-4, unit=lambda r: r["unit"] + "-4e-4")
+    labels = fig_kl_control(pd.concat([runs, higher]), lr=LR, stabilisers=KL_STABILISERS).axes[0] \
+        .get_legend_handles_labels()[1]
+    assert labels[-3:] == [f"{a}, lr 0.0002" for a in KL_STABILISERS]
 
 
 def test_live_curves_take_each_unit_once_under_its_v4_label():

@@ -26,6 +26,7 @@ from stppo import metric_names as T
 from ..axes import base_preset
 from ..figures import band_panel, draw_frontier, frontier_series, panel_grid, preset_color, preset_marker
 from ..load import Study
+
 LIVE = T.VAL_LIVE_SUCCESS_RATE
 OUTCOME_YLABEL = {"collapse_p": "P(collapse of the live policy)  (Wilson 95%)",
                   "val_auc": "area under the validation curve  (bootstrap 95%)"}
@@ -86,9 +87,9 @@ def fig_kl_control(runs: pd.DataFrame, *, lr: float, stabilisers, model: str = "
     fig = Figure(figsize=(8.5, 4.6), constrained_layout=True)
     ax = fig.subplots()
     lrs = sorted(ladder["lr"].astype(float).unique())
-    for i, lr in enumerate(lrs):
-        _points(ax, ladder[np.isclose(ladder["lr"].astype(float), lr)], color="0.15",
-                marker=("o", "s", "D", "^")[i % 4], label=f"ppo, lr {lr:g}")
+    for i, rung in enumerate(lrs):
+        _points(ax, ladder[np.isclose(ladder["lr"].astype(float), rung)], color="0.15",
+                marker=("o", "s", "D", "^")[i % 4], label=f"ppo, lr {rung:g}")
     for algo in stabilisers:
         x = reuse[(reuse["algo"] == algo) & np.isclose(reuse["lr"].astype(float), lr)]
         if len(x):
@@ -106,7 +107,7 @@ def fig_kl_control(runs: pd.DataFrame, *, lr: float, stabilisers, model: str = "
 
 
 def _points(ax, runs: pd.DataFrame, *, color, marker: str, label: str) -> None:
-    """The runs as points (collapsed hollow), and their mean as a larger cross."""
+    """The runs as points (collapsed hollow), and their means (geometric for the KL) as a larger cross."""
     kl, auc = runs["mean_step_kl"].astype(float), runs["val_auc"].astype(float)
     collapsed = runs["collapsed"].astype(bool).to_numpy()
     ax.scatter(kl[~collapsed], auc[~collapsed], color=color, marker=marker, s=28, label=label)
