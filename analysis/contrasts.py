@@ -188,7 +188,7 @@ def _p(p: float, holm: float) -> str:
 
 
 def _diff(d: float, low: float, high: float) -> str:
-    """The difference with its interval; a row without one (v4's D4, from the KL-matched control)
+    """The difference with its interval; a row without one (too few finite values to resample)
     shows the difference alone."""
     if not np.isfinite(d):
         return "–"

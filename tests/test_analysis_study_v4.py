@@ -102,6 +102,9 @@ def test_d4_pairs_st_ppo_with_the_rung_of_nearest_step_kl_and_holm_covers_it(res
     r = d4.iloc[0]
     # st_ppo's step KL ≈ 1.02e-3: the nearest rung is ppo at 5e-5 (1.1e-3), one collapse of 5
     assert r["b"].startswith("ppo at lr 5e-05") and (r["collapsed_a"], r["collapsed_b"]) == ("0/5", "1/5")
+    # the engine's row: a bootstrap interval around the area's difference, as every other row has
+    assert r["level"] == "reuse" and r["auc_diff_low"] <= r["auc_diff"] <= r["auc_diff_high"]
+    assert r["auc_diff_low"] < r["auc_diff_high"]
     assert t["contrast"].tolist().index("D4") > t["contrast"].tolist().index("D3")
     for p in ("fisher_p", "welch_p", "auc_p"):
         np.testing.assert_allclose(t[f"{p}_holm"], holm(t[p]), equal_nan=True)

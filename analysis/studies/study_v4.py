@@ -49,7 +49,6 @@ from .. import hazard as hz
 from ..axes import base_preset, with_axes
 from ..contrasts import Contrast, Group
 from ..export import load_exported, merge_stores
-from ..group_tests import holm
 from ..identical import merged_units
 from ..kl_control import kl_matched_table, with_lr
 from ..load import Study
@@ -169,36 +168,29 @@ def kl_control(runs: pd.DataFrame) -> pd.DataFrame:
     return table[np.isclose(table["lr"].astype(float), LR)].reset_index(drop=True)
 
 
-def _d4_row(kl: pd.DataFrame) -> list[dict]:
-    """D4 as a row of the contrast table, from the control's st_ppo row (none where it is not
-    matched: the ladder does not reach st_ppo's KL)."""
+def d4_contrast(kl: pd.DataFrame) -> Contrast | None:
+    """D4 as a contrast of the engine (its counts, intervals and tests as every other row's): tiny's
+    st_ppo at the study's lr against ppo at the rung of the control's st_ppo row; None where that row
+    is not matched (the ladder does not reach st_ppo's KL)."""
     row = kl[(kl["stabiliser"] == "st_ppo") & kl["matched"]]
     if row.empty:
-        return []
+        return None
     r = row.iloc[0]
-    return [{"contrast": D4[0], "level": REUSE, "machine": "cpu", "a": "st_ppo",
-             "b": f"ppo at lr {r['matched_lr']:g} (step KL {r['matched_step_kl']:.2g} vs {r['step_kl']:.2g})",
-             "collapsed_a": r["collapsed_x"], "collapsed_b": r["collapsed_matched"], "fisher_p": r["fisher_p"],
-             "success_a": r["success_x"], "success_b": r["success_matched"], "welch_p": r["success_p"],
-             "auc_a": r["auc_x"], "auc_b": r["auc_matched"], "auc_diff": r["auc_x"] - r["auc_matched"],
-             "auc_p": r["auc_p"], "success_diff": r["success_x"] - r["success_matched"]}]
+    rung = float(r["matched_lr"])
+    b = _g(("ppo",), f"ppo at lr {rung:g} (step KL {r['matched_step_kl']:.2g} vs {r['step_kl']:.2g})", lr=(rung,))
+    return Contrast(D4[0], D4[1], D4[2], D4[3], {"model": ("tiny",)}, "tiny at the matched learning rates",
+                    ("reuse",), ((_g(("st_ppo",), lr=(LR,)), b),), point="level")
 
 
 def v4_contrasts(runs: pd.DataFrame, *, n_boot: int = 10_000, seed: int = 0) -> engine.ContrastResult:
     """D1–D8 (module docstring), Holm over the whole table (D4 included)."""
-    res = engine.contrast_table(runs, CONTRASTS, outcomes=OUTCOMES, n_boot=n_boot, seed=seed)
-    d4 = _d4_row(kl_control(runs))
-    table = res.table
-    if d4:
-        extra = pd.DataFrame(d4, columns=table.columns).assign(level="reuse", shared_units=0, absent="")
-        table = pd.concat([table, extra], ignore_index=True)
-    else:
+    d4 = d4_contrast(kl_control(runs))
+    res = engine.contrast_table(runs, CONTRASTS + ((d4,) if d4 else ()), outcomes=OUTCOMES, n_boot=n_boot, seed=seed)
+    if d4 is None:
         res.missing.append(f"{D4[0]} ({D4[1]}; {D4[2]}): not computed: no ppo rung within a factor 2 of "
                            "st_ppo's step KL (or no runs)")
-    for p in ("fisher_p", "welch_p", *(f"{n}_p" for n in OUTCOMES)):
-        table[f"{p}_holm"] = holm(table[p].to_numpy(float))
     order = {c: i for i, c in enumerate(["D1", "D2", "D3", "D4", "D5", "D6", "D7", "D8"])}
-    table = table.sort_values("contrast", key=lambda s: s.map(order), kind="stable", ignore_index=True)
+    table = res.table.sort_values("contrast", key=lambda s: s.map(order), kind="stable", ignore_index=True)
     return engine.ContrastResult(table, res.missing)
 
 
@@ -231,8 +223,10 @@ def hazard_evaluation(study: Study, runs: pd.DataFrame, settings: hz.HazardSetti
         summaries.append(hz.summarise(held, settings, name))
         for other in (hz.BEST_SINGLE, hz.CONFIG_ONLY):
             comparisons.append({"validation": name, **hz.compare(held, hz.HAZARD, other, n_boot=n_boot)})
-    return (pd.concat(summaries, ignore_index=True).reindex(columns=list(hz.SUMMARY_COLUMNS)),
-            pd.DataFrame(comparisons))
+    summary = pd.concat(summaries, ignore_index=True).reindex(columns=list(hz.SUMMARY_COLUMNS))
+    counts = ["runs", "collapsed_runs", "rows"]  # counts, blank on a row not computed (not floats)
+    summary[counts] = summary[counts].astype("Int64")
+    return summary, pd.DataFrame(comparisons)
 
 
 def write_study(study: Study, out: Path, *, n_boot: int = 10_000) -> tuple[V4Runs, engine.ContrastResult]:

@@ -112,7 +112,7 @@ def convert(cfg: Config, out_dir: Path | None = None, *, task: Task | None = Non
     plan.dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=plan.dir.parent))
     try:
-        rows = _write(cfg, task, tmp, final_dir=plan.dir)
+        _write(cfg, task, tmp, final_dir=plan.dir)
         if plan.dir.exists():  # an incomplete leftover
             shutil.rmtree(plan.dir, ignore_errors=True)
         os.rename(tmp, plan.dir)
