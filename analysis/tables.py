@@ -66,7 +66,8 @@ def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.Data
     """One row per run: tags, status, its unit (`analysis.identical`), collapse (its onset
     `collapse_step` and what decided it, `collapse_source`), final success, the area under its
     validation curve (`val_auc`), the stability summaries (the mean step KL `mean_step_kl` among
-    them) and the mean of each mismatch metric (`MISMATCH_MEANS`)."""
+    them, and `clip_bias_triggered`: how often a clipping-bias scale acted) and the mean of each
+    mismatch metric (`MISMATCH_MEANS`)."""
     col = (collapse if collapse is not None else collapse_table(study)).set_index("run_id")
     runs = study.runs.set_index("run_id")
     out = runs[["experiment", "run_name", "algo", "model", "task", "seed", "sweep", "git_commit", "status"]].copy()
@@ -83,6 +84,8 @@ def per_run_table(study: Study, collapse: pd.DataFrame | None = None) -> pd.Data
     out["mean_ppo_kl"] = per_run_value(study, T.PPO_KL, "mean").to_numpy()
     out["mean_step_kl"] = per_run_value(study, T.STEP_KL, "mean").to_numpy()
     out["mean_kl_ref"] = per_run_value(study, T.KL_REF, "mean").to_numpy()
+    # how often the clipping-bias scale acted (the fraction of minibatches with λ < 1; NaN without one)
+    out["clip_bias_triggered"] = per_run_value(study, T.CLIP_BIAS_TRIGGERED, "mean").to_numpy()
     for column, metric in MISMATCH_MEANS.items():
         out[column] = per_run_value(study, metric, "mean").to_numpy()
     return out.reset_index()

@@ -143,6 +143,7 @@ def test_cli_on_exported_synthetic_runs(tmp_path, capsys, monkeypatch):
     runs = pd.read_csv(out / "runs.csv")
     assert set(runs["algo"]) == {"ppo", "st_ppo"} and len(runs) == 12
     assert set(runs["host"]) == {"cpu (not recorded)"}  # the fixture's runs carry no host tag
+    assert runs["clip_bias_triggered"].isna().all()  # nor a clipping-bias scale
     con = pd.read_csv(out / "contrasts.csv").set_index(["contrast", "level", "a"])
     assert con.loc[("D3", "lag2", "st_ppo"), ["collapsed_a", "collapsed_b"]].tolist() == ["1/2", "2/2"]
     assert con.loc[("D3", "reuse", "st_ppo"), ["collapsed_a", "collapsed_b"]].tolist() == ["0/2", "2/2"]
@@ -162,6 +163,10 @@ def test_cli_on_exported_synthetic_runs(tmp_path, capsys, monkeypatch):
     assert not (out / "live_curves.png").exists() and not (out / "kl_control.png").exists()
     cells = pd.read_csv(out / "cells.csv")
     assert (cells["val_auc_low"] <= cells["val_auc"]).all() and (cells["val_auc"] <= cells["val_auc_high"]).all()
+    tables = (out / "cells.md").read_text()
+    assert tables.index("#### tiny, on") < tables.index("#### tiny, reuse") < tables.index("#### tiny, lag2")
+    reuse_ppo = cells[(cells["level"] == "reuse") & (cells["algo"] == "ppo")].iloc[0]
+    assert f"| ppo | 0.0002 | 2 | 2/2 [{reuse_ppo['collapse_p_low']:.2f}, 1.00] |" in tables
     assert main(["--data", str(tmp_path / "data" / "study_v4_pilot"), "--out", str(out)]) == 2
     assert "no run of study v4's levels" in capsys.readouterr().err
 

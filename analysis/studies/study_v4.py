@@ -229,8 +229,39 @@ def hazard_evaluation(study: Study, runs: pd.DataFrame, settings: hz.HazardSetti
     return summary, pd.DataFrame(comparisons)
 
 
+def _ci(mean: float, low: float, high: float) -> str:
+    if not np.isfinite(mean):
+        return "–"
+    return f"{mean:.2f}" if not (np.isfinite(low) and np.isfinite(high)) else f"{mean:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def cells_markdown(cells: pd.DataFrame) -> str:
+    """The page's cell tables from `cells.csv`: one per model and level (in `LEVELS` order), a row per
+    preset and learning rate: runs, collapsed k/n with the Wilson interval, median onset, and the
+    final validation and `val_auc` means with their bootstrap intervals, and the mean step KL."""
+    out = []
+    rank = {lv: i for i, lv in enumerate(LEVELS)}
+    keys = sorted(set(zip(cells["model"], cells["level"])),
+                  key=lambda k: (k[0] != "tiny", k[0], rank.get(k[1], len(LEVELS))))
+    for model, level in keys:
+        c = cells[(cells["model"] == model) & (cells["level"] == level)]
+        c = c.sort_values(["lr", "algo"], ascending=[False, True])
+        out += [f"#### {model}, {level}", "",
+                "| preset | lr | runs | collapsed [95% CI] | median onset | final validation [95% CI] "
+                "| val_auc [95% CI] | mean step KL |",
+                "|---|---|---|---|---|---|---|---|"]
+        for _, r in c.iterrows():
+            onset = "–" if not np.isfinite(r["median_onset"]) else f"{r['median_onset']:g}"
+            out.append(f"| {r['algo']} | {r['lr']:g} | {int(r['runs'])} | {int(r['collapsed'])}/{int(r['runs'])} "
+                       f"[{r['collapse_p_low']:.2f}, {r['collapse_p_high']:.2f}] | {onset} | "
+                       f"{_ci(r['final_success'], r['final_success_low'], r['final_success_high'])} | "
+                       f"{_ci(r['val_auc'], r['val_auc_low'], r['val_auc_high'])} | {r['mean_step_kl']:.2g} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def write_study(study: Study, out: Path, *, n_boot: int = 10_000) -> tuple[V4Runs, engine.ContrastResult]:
-    """The study's tables, written to `out`: runs.csv (one row per run), cells.csv,
+    """The study's tables, written to `out`: runs.csv (one row per run), cells.csv and cells.md,
     merged_units.csv (the identical-run units of more than one run, each counted once),
     kl_control.csv, contrasts.csv and .md (D1–D8), not_computed.txt, hazard.csv and
     hazard_compare.csv, and the figures of `analysis.studies.study_v4_figures` that have runs."""
@@ -241,10 +272,12 @@ def write_study(study: Study, out: Path, *, n_boot: int = 10_000) -> tuple[V4Run
                             f"(the lags in the coupled form, {COUPLED}) and {REUSE}")
     out.mkdir(parents=True, exist_ok=True)
     keep = ["run_id", "experiment", "host", "level", "model", "lr", "algo", "seed", "unit", "collapsed", "collapse_step",
-            "final_success", "val_auc", "mean_step_kl", "mean_clipfrac", "peak_grad_norm", "last_step"]
+            "final_success", "val_auc", "mean_step_kl", "mean_clipfrac", "clip_bias_triggered", "peak_grad_norm",
+            "last_step"]
     vr.runs[keep].sort_values(["model", "level", "lr", "algo", "seed"]).to_csv(out / "runs.csv", index=False)
     cells = cell_table(vr.runs, x=CELL, means=("val_auc", "mean_step_kl"), intervals=("val_auc",))
     cells.to_csv(out / "cells.csv", index=False)
+    (out / "cells.md").write_text(cells_markdown(cells))
     merged_units(vr.runs).to_csv(out / "merged_units.csv", index=False)
     kl_control(vr.runs).to_csv(out / "kl_control.csv", index=False)
     res = v4_contrasts(vr.runs, n_boot=n_boot)
@@ -277,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("runs: " + "; ".join(f"{m} {lv}: {n}" for (m, lv), n in levels.items())
           + f" (pilot {len(vr.pilot)}; left out: {vr.unfinished} unfinished, {vr.repeats} repeats"
           + f", {vr.other} of no level)")
-    print(f"wrote runs.csv, cells.csv, merged_units.csv, kl_control.csv, contrasts.csv ({len(res.table)} rows), "
+    print(f"wrote runs.csv, cells.csv, cells.md, merged_units.csv, kl_control.csv, "
+          f"contrasts.csv ({len(res.table)} rows), "
           f"contrasts.md, not_computed.txt, hazard.csv, hazard_compare.csv and the figures to {a.out}")
     for line in res.missing:
         print(f"  not computed: {line}")
