@@ -187,12 +187,19 @@ def _p(p: float, holm: float) -> str:
     return "–" if not np.isfinite(p) else f"{p:.2g} ({holm:.2g})"
 
 
-def _diff(d: float, low: float, high: float) -> str:
-    """The difference with its interval; a row without one (too few finite values to resample)
-    shows the difference alone."""
-    if not np.isfinite(d):
+def interval_text(value: float, low: float, high: float, *, signed: bool = False) -> str:
+    """`value [low, high]` to 2 decimals (with signs for a difference); a value without an interval
+    (too few finite values to resample) alone, and "–" for no value."""
+    if not np.isfinite(value):
         return "–"
-    return f"{d:+.2f}" if not (np.isfinite(low) and np.isfinite(high)) else f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
+    f = "+.2f" if signed else ".2f"
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return f"{value:{f}}"
+    return f"{value:{f}} [{low:{f}}, {high:{f}}]"
+
+
+def _diff(d: float, low: float, high: float) -> str:
+    return interval_text(d, low, high, signed=True)
 
 
 def _pair(a: float, b: float) -> str:

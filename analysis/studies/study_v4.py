@@ -185,13 +185,12 @@ def d4_contrast(kl: pd.DataFrame) -> Contrast | None:
 def v4_contrasts(runs: pd.DataFrame, *, n_boot: int = 10_000, seed: int = 0) -> engine.ContrastResult:
     """D1–D8 (module docstring), Holm over the whole table (D4 included)."""
     d4 = d4_contrast(kl_control(runs))
-    res = engine.contrast_table(runs, CONTRASTS + ((d4,) if d4 else ()), outcomes=OUTCOMES, n_boot=n_boot, seed=seed)
+    table = tuple(sorted(CONTRASTS + ((d4,) if d4 else ()), key=lambda c: c.id))  # the README's order
+    res = engine.contrast_table(runs, table, outcomes=OUTCOMES, n_boot=n_boot, seed=seed)
     if d4 is None:
         res.missing.append(f"{D4[0]} ({D4[1]}; {D4[2]}): not computed: no ppo rung within a factor 2 of "
                            "st_ppo's step KL (or no runs)")
-    order = {c: i for i, c in enumerate(["D1", "D2", "D3", "D4", "D5", "D6", "D7", "D8"])}
-    table = res.table.sort_values("contrast", key=lambda s: s.map(order), kind="stable", ignore_index=True)
-    return engine.ContrastResult(table, res.missing)
+    return res
 
 
 ALL_CONTRASTS = tuple(sorted(CONTRASTS + (Contrast(*D4, {}, "", ("reuse",), (), point="level"),),
@@ -229,12 +228,6 @@ def hazard_evaluation(study: Study, runs: pd.DataFrame, settings: hz.HazardSetti
     return summary, pd.DataFrame(comparisons)
 
 
-def _ci(mean: float, low: float, high: float) -> str:
-    if not np.isfinite(mean):
-        return "–"
-    return f"{mean:.2f}" if not (np.isfinite(low) and np.isfinite(high)) else f"{mean:.2f} [{low:.2f}, {high:.2f}]"
-
-
 def cells_markdown(cells: pd.DataFrame) -> str:
     """The page's cell tables from `cells.csv`: one per model and level (in `LEVELS` order), a row per
     preset and learning rate: runs, collapsed k/n with the Wilson interval, median onset, and the
@@ -252,10 +245,11 @@ def cells_markdown(cells: pd.DataFrame) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for _, r in c.iterrows():
             onset = "–" if not np.isfinite(r["median_onset"]) else f"{r['median_onset']:g}"
+            final, auc = (engine.interval_text(r[k], r[f"{k}_low"], r[f"{k}_high"])
+                          for k in ("final_success", "val_auc"))
             out.append(f"| {r['algo']} | {r['lr']:g} | {int(r['runs'])} | {int(r['collapsed'])}/{int(r['runs'])} "
                        f"[{r['collapse_p_low']:.2f}, {r['collapse_p_high']:.2f}] | {onset} | "
-                       f"{_ci(r['final_success'], r['final_success_low'], r['final_success_high'])} | "
-                       f"{_ci(r['val_auc'], r['val_auc_low'], r['val_auc_high'])} | {r['mean_step_kl']:.2g} |")
+                       f"{final} | {auc} | {r['mean_step_kl']:.2g} |")
         out.append("")
     return "\n".join(out)
 
