@@ -1,4 +1,4 @@
-# Entry points: `make demo`, `make test`, `make test-portable`, `make setup`, `make verl-env`,
+# Entry points: `make demo`, `make test`, `make test-stress`, `make test-portable`, `make setup`, `make verl-env`,
 # `make trl-env`. Each creates/refreshes its virtualenv by itself.
 PYTHON ?= python3
 VENV   := .venv
@@ -19,7 +19,7 @@ TRL_BIN   := $(TRL_VENV)/bin
 TRL_STAMP := $(TRL_VENV)/.setup-stamp
 TRL_PINS  := 'trl==1.16.*' 'transformers>=5.0,<6' 'omegaconf==2.4.1rc1' 'bm25s>=0.2'
 
-.PHONY: setup demo test test-portable verl-env trl-env gpu-wheels gpu-check
+.PHONY: setup demo test test-stress test-portable verl-env trl-env gpu-wheels gpu-check
 
 # `test` builds its two environments side by side where flock(1) exists (Linux): their editable
 # installs of stppo both write stppo.egg-info in this folder, so those take turns (a lock on the
@@ -70,17 +70,25 @@ demo: setup
 	$(BIN)/python run.py
 	@$(BIN)/python -m stppo.where
 
-# stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl;
-# each spread over TEST_JOBS pytest-xdist workers (a test file stays on one worker: its module
-# fixtures are built once), each worker on TEST_THREADS torch threads.
+# stppo's suite in .venv (it leaves tests/verl out), then the verl backend's tests in .venv-verl
+# (scripts/test_suites.sh): both always run to their end, both summaries are printed last, and the
+# exit status is 1 when either failed. Each suite is spread over TEST_JOBS pytest-xdist workers,
+# each worker on TEST_THREADS torch threads.
 TEST_JOBS    ?= 2
 TEST_THREADS ?= 1
-PYTEST_ARGS  := -n $(TEST_JOBS) --dist loadfile
+SUITE_ENV    := TEST_JOBS=$(TEST_JOBS) TEST_THREADS=$(TEST_THREADS)
 
 test:
 	$(MAKE) $(ENV_JOBS) setup verl-env
-	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest $(PYTEST_ARGS)
-	OMP_NUM_THREADS=$(TEST_THREADS) $(VERL_BIN)/python -m pytest $(PYTEST_ARGS) tests/verl
+	$(SUITE_ENV) bash scripts/test_suites.sh
+
+# Both suites with one busy process per core beside them (scripts/test_stress.sh); STRESS_RUNS=3
+# repeats them. Run it after touching a test that involves processes, threads, servers or time.
+STRESS_RUNS ?= 1
+
+test-stress:
+	$(MAKE) $(ENV_JOBS) setup verl-env
+	$(SUITE_ENV) STRESS_RUNS=$(STRESS_RUNS) bash scripts/test_stress.sh
 
 # Both suites again under other CPU kernels and torch thread counts (scripts/test_portable.sh):
 # plain kernels (no AVX), AVX2 and, where the CPU has it, AVX-512; 2 threads and 1. A test whose

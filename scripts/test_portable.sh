@@ -7,7 +7,8 @@
 # ATen's (on an AVX-512 machine, torch's bfloat16 attention otherwise takes oneDNN's AVX-512
 # packing from ATen's plain kernels and fails: "pack_vnni2 is only supported when avx512 is
 # supported").
-# Every setting runs even when one fails; the exit status is 1 when any failed.
+# Every setting runs both suites (scripts/test_suites.sh) even when one fails; the exit status is 1
+# when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${TEST_JOBS:-2}
@@ -16,17 +17,11 @@ grep -qw avx512f /proc/cpuinfo 2>/dev/null && settings+=("avx512 2 ALL")
 failed=()
 for setting in "${settings[@]}"; do
   read -r cap threads isa <<<"$setting"
-  for suite in ".venv/bin/python -m pytest" ".venv-verl/bin/python -m pytest tests/verl"; do
-    echo "== ATEN_CPU_CAPABILITY=$cap ONEDNN_MAX_CPU_ISA=$isa OMP_NUM_THREADS=$threads: $suite"
-    start=$SECONDS
-    if ATEN_CPU_CAPABILITY=$cap ONEDNN_MAX_CPU_ISA=$isa OMP_NUM_THREADS=$threads \
-        $suite -q -n "$JOBS" --dist loadfile; then
-      echo "== passed in $((SECONDS - start)) s"
-    else
-      echo "== FAILED in $((SECONDS - start)) s"
-      failed+=("$cap/$threads: ${suite%% *}")
-    fi
-  done
+  echo "== ATEN_CPU_CAPABILITY=$cap ONEDNN_MAX_CPU_ISA=$isa, $threads torch thread(s) per worker"
+  if ! ATEN_CPU_CAPABILITY=$cap ONEDNN_MAX_CPU_ISA=$isa TEST_JOBS=$JOBS TEST_THREADS=$threads \
+      bash scripts/test_suites.sh -q; then
+    failed+=("$cap/$threads")
+  fi
 done
 if ((${#failed[@]})); then
   printf 'test-portable: failed under %s\n' "${failed[@]}" >&2

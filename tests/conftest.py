@@ -84,5 +84,6 @@ def tiny_cfg(tmp_path):
     """compose(extra) → a DictConfig of the tiny setup logging to a fresh sqlite store."""
     def make(*extra: str):
         return compose(TINY_OVERRIDES + [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                                         f"tracking.buffer_dir={tmp_path}/buffer",  # not the cwd's, shared
                                          f"trainer.out_dir={tmp_path}/runs", *extra])
     return make

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import torch
 
+# Which weights produced a log-prob: the same weights in another batch shape, cache layout or
+# kernel set agree to float32 rounding — ε = 1.2e-7 over the 4 layers and 1,500 logits of `tiny`
+# (logits up to |20|) moves a log-prob by at most ~1e-5 — while the policy one update apart
+# differs by more than 100× that (tests/test_offpolicy.py asserts it).
+FORWARD_TOL = 1e-5
+
 
 class RecordingSGD(torch.optim.SGD):
     """Plain SGD that keeps a copy of every step's gradients, taken before the step. SGD moves a

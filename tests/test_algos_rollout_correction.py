@@ -194,6 +194,30 @@ def test_policy_loss_routes_bypass_reinforce():
     assert float(plain.loss) == pytest.approx(float(-(adv * (lp - roll).exp()).mean()), rel=1e-12)
 
 
+@pytest.mark.parametrize("name", sorted(ROLLOUT_CORRECTIONS))
+def test_on_policy_every_correction_takes_the_uncorrected_step(name):
+    """π_θ = π_old = π_rollout (a stale run's first step): every IS weight is 1, every RS band
+    keeps every token, and PPO's clipped ratio and the bypass REINFORCE have one gradient,
+    −agg(A ∇log π); so every correction's loss has the gradient of 'none' (float64: to 1e-12).
+    tests/test_train_rollout_correction.py's multirun relies on it."""
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    m = torch.rand(4, 6, generator=g) < 0.7
+    turns = torch.where(m, 0, -1)
+
+    def grad(rc: RolloutCorrection) -> torch.Tensor:
+        c = rollout_correction(lp, lp, m, rc)  # decoupled: once per step; bypass: in the loss, from π_θ
+        weights = c.weights if rc.applies_weights else None
+        x = lp.clone().requires_grad_(True)
+        spec = LossSpec("grpo", advantage="grpo", use_critic=False, loss_agg="token-mean", rollout_correction=rc)
+        out = policy_loss(x, lp, adv, c.loss_mask, turns, spec, rollout_is_weights=weights)
+        assert torch.equal(c.loss_mask, m), name
+        return torch.autograd.grad(out.loss, x)[0]
+
+    torch.testing.assert_close(grad(RolloutCorrection(name)), grad(RolloutCorrection("none")), rtol=1e-12, atol=1e-15)
+
+
 # --- names, options, errors ------------------------------------------------------------------------
 def test_names_fields_and_options():
     assert len(ROLLOUT_CORRECTIONS) == 19

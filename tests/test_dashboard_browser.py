@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_healthy
-from test_analysis_fixtures import closed_port, known_uri, stale_uri, workbench_uri  # noqa: F401
+from servers import start_on_free_port
+from test_analysis_fixtures import known_uri, stale_uri, workbench_uri  # noqa: F401
 from test_analysis_sweeps import optuna_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,18 +26,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 @contextlib.contextmanager
 def streamlit_server(uri: str, optuna_url: str, tmp_path: Path):
     """`streamlit run dashboard/app.py` on 127.0.0.1:<free port>; stopped by its pid."""
-    port = closed_port()
     env = os.environ | {"MLFLOW_TRACKING_URI": uri, "OPTUNA_STORAGE": optuna_url,
                         "STPPO_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    log = tmp_path / "streamlit.log"
     cmd = [sys.executable, "-m", "streamlit", "run", "dashboard/app.py", "--server.address", "127.0.0.1",
-           "--server.port", str(port), "--server.headless", "true", "--server.fileWatcherType", "none",
-           "--browser.gatherUsageStats", "false"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+           "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
+    proc, url = start_on_free_port(lambda port: [*cmd, "--server.port", str(port)], "/_stcore/health", 120,
+                                   tmp_path / "streamlit.log", cwd=ROOT, env=env)
     try:
-        wait_healthy(f"{url}/_stcore/health", proc, 60, log)
         yield url
     finally:
         proc.terminate()
@@ -95,7 +90,7 @@ def _no_error(main) -> str:
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)  # a hang guard over all its waits (each names what it waits for)
 def test_dashboard_renders_runs_and_charts_in_chromium(server, tmp_path):
     with chromium_page() as page:
         page.goto(server, wait_until="domcontentloaded")
@@ -117,7 +112,7 @@ def test_dashboard_renders_runs_and_charts_in_chromium(server, tmp_path):
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)  # a hang guard over all its waits (each names what it waits for)
 def test_samples_and_early_warning_pages_in_chromium(workbench_server, tmp_path):
     with chromium_page() as page:
         main = page.locator('[data-testid="stMain"]')
@@ -152,7 +147,7 @@ def _charts_drawn(page, n: int) -> None:
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)  # a hang guard over all its waits (each names what it waits for)
 def test_frontier_and_mismatch_panels_in_chromium(stale_server, tmp_path):
     with chromium_page() as page:
         main = page.locator('[data-testid="stMain"]')

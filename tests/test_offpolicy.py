@@ -12,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import ROOT, THREADS, compose
+from numerics import FORWARD_TOL
 from stppo import metric_names as K
 from stppo.config import OffPolicyConfig, to_config
 from stppo.models import policy_log_probs
@@ -70,11 +70,6 @@ def train_recording(tmp_path, monkeypatch, *extra: str):
     return cfg, comps, batches, saved
 
 
-# Which weights produced a log-prob: the same weights in another batch shape, cache layout or
-# kernel set agree to float32 rounding — ε = 1.2e-7 over the 4 layers and 1,500 logits of `tiny`
-# (logits up to |20|) moves a log-prob by at most ~1e-5 — while the policy one update apart
-# differs by more than 100× that (asserted below).
-FORWARD_TOL = 1e-5
 
 
 def forward(comps, state: dict, batch) -> torch.Tensor:
@@ -276,19 +271,14 @@ def test_a_stale_run_with_a_correction_logs_lag_and_mismatch_and_resumes_after_s
     run(quick(tmp_path, *common, "tracking.experiment=uninterrupted"))
     args = [sys.executable, str(ROOT / "run.py"), *QUICK, *common, f"tracking.uri={uri}",
             f"trainer.out_dir={tmp_path}/runs", "tracking.experiment=killed", f"hydra.run.dir={tmp_path}/hydra"]
-    proc = subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline, ckpts = time.time() + 300, []
-    while time.time() < deadline and proc.poll() is None:
-        ckpts = list((tmp_path / "runs" / "killed").glob("*/checkpoint.pt"))
-        if ckpts and checkpoint.load(ckpts[0].parent)["step"] >= 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    state = checkpoint.load(ckpts[0].parent)
-    assert state["step"] < steps and sorted(state["offpolicy"]["snapshots"]) == list(range(state["step"]))[-lag:]
+    # SIGKILL inside step 4, after step 3's checkpoint and before step 4 logs anything (tests/kill_point)
+    env = dict(os.environ, OMP_NUM_THREADS="1", STPPO_TEST_KILL="before:4", PYTHONPATH=str(ROOT / "tests" / "kill_point"))
+    proc = subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=900)  # a hang guard: the run takes about a minute
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed in step 4: {proc.stderr[-2000:]}"
+    (ckpt,) = (tmp_path / "runs" / "killed").glob("*/checkpoint.pt")
+    state = checkpoint.load(ckpt.parent)
+    assert state["step"] == 3 and sorted(state["offpolicy"]["snapshots"]) == list(range(3))[-lag:]
 
     run(quick(tmp_path, *common, "tracking.experiment=killed", "trainer.resume=true"))
     ref_run, ref = _history(uri, "uninterrupted")

@@ -30,13 +30,18 @@ STEP_METRICS = [K.PG_LOSS, K.PG_LOSS_NORM, K.PG_CLIPFRAC, K.PG_CLIPFRAC_HIGH, K.
 TRACEBACK = ("Traceback (most recent call last)", 'File "')
 
 
-def run_py(args: list[str], cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    """`python run.py ARGS` in `cwd`, bounded; the whole process group is killed on timeout."""
+def run_py(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python run.py ARGS` in `cwd`, bounded by a hang guard: past `timeout` the whole process
+    group is killed and the test fails with the command and the end of its stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"run.py {' '.join(args)[:500]} hung past {timeout:.0f} s: {err[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

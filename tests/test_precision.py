@@ -15,6 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from numerics import FORWARD_TOL
 from stppo import metric_names as K
 from stppo.config import to_config
 from stppo.models import (ValueModel, build_random_model, policy_log_probs, resolve_precision,
@@ -111,7 +112,9 @@ def test_first_on_policy_minibatch_clips_no_token_under_bf16(tiny_cfg, capsys):
     dev = (lp - mb.old_log_probs).exp().sub(1.0).abs()[mb.loss_mask].max().item()
     with capsys.disabled():
         print(f"\nlargest |ratio - 1| on the first on-policy minibatch (bf16 autocast): {dev:.2e}")
-    assert dev < 0.01 < cfg.algo.clip_low
+    # what the clip fraction below needs: every ratio inside the clip range (bf16's 2^-8 rounding
+    # through the 4 layers moves a log-prob by ~1e-2 at worst, 20× inside 0.2)
+    assert dev < min(cfg.algo.clip_low, cfg.algo.clip_high)
     ctx = UpdateContext(cfg.algo, cfg.trainer, torch.Generator().manual_seed(0),
                         precision=c.precision)
     with c.precision.autocast():
@@ -191,7 +194,7 @@ def test_on_policy_update_skips_the_old_pass_with_the_same_update(tiny_cfg, tmp_
         grads.append(torch.cat([p.grad.reshape(-1) for p in c.policy.parameters()]))
         metrics.append(m)
     assert float(metrics[0][K.PPO_KL]) == 0.0 and float(metrics[0][K.RATIO_MAX]) == 1.0
-    assert abs(float(metrics[1][K.PPO_KL])) < 1e-6
+    assert abs(float(metrics[1][K.PPO_KL])) < FORWARD_TOL  # a mean of log-prob differences, each ≤ FORWARD_TOL
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4 * float(grads[1].abs().max()))
 
     comps, trainer = _one_update(cfg)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -18,6 +19,8 @@ from stppo import metric_names as K
 from stppo.train import checkpoint
 
 STEPS = 5
+KILL_POINT = ROOT / "tests" / "kill_point"
+KILL_HANG_S = 900  # a hang guard: a tiny run of 5 steps takes about a minute
 
 
 def _runs(uri, experiment):
@@ -42,23 +45,17 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, tiny_cfg):
     args = [sys.executable, str(ROOT / "run.py"), *TINY_OVERRIDES, *common,
             f"tracking.uri={uri}", f"trainer.out_dir={tmp_path}/runs", "tracking.experiment=killed",
             f"hydra.run.dir={tmp_path}/hydra"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ckpts = list((tmp_path / "runs" / "killed").glob("*/checkpoint.pt"))
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        ckpts = list((tmp_path / "runs" / "killed").glob("*/checkpoint.pt"))
-        if ckpts and checkpoint.load(ckpts[0].parent)["step"] >= 2:
-            time.sleep(0.5)  # now inside step 3
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # SIGKILL right after step 3's training metrics are logged, before its checkpoint: the resumed
+    # run redoes step 3 and must not log it twice (tests/kill_point)
+    env = dict(os.environ, OMP_NUM_THREADS="1", STPPO_TEST_KILL="after:3", PYTHONPATH=str(KILL_POINT))
+    proc = subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=KILL_HANG_S)
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed at step 3: {proc.stderr[-2000:]}"
     (killed,) = _runs(uri, "killed")
     assert killed.info.status == "RUNNING"  # SIGKILL leaves no chance to close it
-    killed_at = checkpoint.load(ckpts[0].parent)["step"]
-    assert killed_at < STEPS
+    (ckpt,) = (tmp_path / "runs" / "killed").glob("*/checkpoint.pt")
+    assert checkpoint.load(ckpt.parent)["step"] == 2
+    assert max(m.step for m in MlflowClient(uri).get_metric_history(killed.info.run_id, K.SUCCESS_RATE)) == 3
 
     run(tiny_cfg(*common, "tracking.experiment=killed", "trainer.resume=true"))
     (resumed,) = _runs(uri, "killed")
@@ -89,8 +86,11 @@ def test_sigterm_closes_the_run_killed_and_keeps_what_it_logged(tmp_path):
             f"hydra.run.dir={tmp_path}/hydra"]
     proc = subprocess.Popen(args, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline, logged = time.time() + 240, []
-    while time.time() < deadline and proc.poll() is None and len(logged) < 2:
+    deadline, logged = time.monotonic() + KILL_HANG_S, []  # a hang guard: 2 steps take seconds
+    while proc.poll() is None and len(logged) < 2:
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run logged no 2 steps within {KILL_HANG_S} s: {proc.communicate()[1][-2000:]}")
         runs = _runs(uri, "term")
         logged = MlflowClient(uri).get_metric_history(runs[0].info.run_id, K.SUCCESS_RATE) if runs else []
         time.sleep(0.2)

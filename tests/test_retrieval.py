@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-from conftest import free_port, wait_healthy
+from servers import free_port, start_on_free_port
 
 from stppo.envs import build_task, write_corpus_jsonl
 from stppo.envs import retrievers
@@ -31,19 +31,15 @@ def server(task, tmp_path_factory):
     """The shipped server as a subprocess on a free port; stopped by its pid."""
     tmp = tmp_path_factory.mktemp("server")
     corpus = write_corpus_jsonl(task.corpus, tmp / "corpus.jsonl")
-    port = free_port()
     env = dict(os.environ, STPPO_CACHE_DIR=str(tmp / "cache"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus",
-                             str(corpus), "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_on_free_port(lambda port: [sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus",
+                                                 str(corpus), "--host", "127.0.0.1", "--port", str(port)],
+                                   "/health", 30, tmp / "server.log", env=env)
     try:
-        wait_healthy(url + "/health", proc, 30)
         yield url
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
-        proc.stderr.close()
 
 
 @pytest.fixture(autouse=True)
@@ -149,17 +145,21 @@ def test_server_down_is_a_clear_error_after_bounded_retries():
 
 
 class _TestServer:
-    """A tiny protocol server in a thread: counts requests, sleeps or fails as told."""
+    """A tiny protocol server in a thread: counts requests, fails the first ones as told, or
+    (`hold`) answers none until the test is over."""
 
-    def __init__(self, sleep_s=0.0, fail_first=0):
-        self.requests, self.sleep_s, self.fail_first = [], sleep_s, fail_first
+    def __init__(self, fail_first=0, hold=False):
+        self.requests, self.fail_first = [], fail_first
+        self.released = threading.Event()
+        if not hold:
+            self.released.set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
-                time.sleep(outer.sleep_s)
+                outer.released.wait(60)  # a held answer comes after the client gave up
                 if len(outer.requests) <= outer.fail_first:
                     code, payload = 503, {"error": "busy"}
                 else:
@@ -182,7 +182,16 @@ class _TestServer:
         self.thread.start()
         return self
 
+    def received(self, n: int, within_s: float = 60) -> bool:
+        """Whether `n` requests arrived, waiting for them up to `within_s` (a hang guard: the
+        handler threads may still be reading what the client sent before it gave up)."""
+        deadline = time.monotonic() + within_s
+        while len(self.requests) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.requests) == n
+
     def __exit__(self, *exc):
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -196,9 +205,10 @@ def test_one_request_per_call_and_retry_on_5xx():
 
 
 def test_timeout_is_retried_then_reported():
-    with _TestServer(sleep_s=1.5) as srv:
-        start = time.monotonic()
+    """The server holds every answer until the test ends: a client that raised did not wait for
+    one (one that waited would hang here until the module's timeout)."""
+    with _TestServer(hold=True) as srv:
         with pytest.raises(ConnectionError, match=r"no answer within timeout_s=0.2.*retrieval_server"):
             HttpRetriever(srv.url, timeout_s=0.2, retries=1, backoff_s=0.05).retrieve(["q"], 1)
-        elapsed = time.monotonic() - start
-    assert len(srv.requests) == 2 and elapsed < 1.5
+        assert srv.received(2), srv.requests  # retries=1: two tries
+    assert len(srv.requests) == 2, srv.requests

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import optuna
 import pytest
@@ -110,23 +109,19 @@ def test_killed_study_resumes_where_it_stopped(tmp_path, warm_cache):  # noqa: F
     uri = fresh_sqlite(tmp_path)
     args = [sys.executable, str(ROOT / "run.py"), *_sweep_args(tmp_path, uri, ["algo=grpo",
             "hydra.sweeper.n_trials=3"])]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # mid-study, mid-trial: the sweep's process group is killed right after trial 1's job logs its
+    # first training step (tests/kill_point), whatever the machine's speed
+    env = dict(os.environ, OMP_NUM_THREADS="1", STPPO_TEST_KILL=f"after:1:{K.TAG_TRIAL}=1", STPPO_TEST_KILL_GROUP="1",
+               PYTHONPATH=str(ROOT / "tests" / "kill_point"))
     proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:  # wait until trial 1's job is training
-            states = [t.state for t in _trials(tmp_path, "clip_range-grpo")]
-            if states == [TrialState.COMPLETE, TrialState.RUNNING] and _mlflow_trial_runs(uri).get("1"):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, f"the sweep ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        os.killpg(proc.pid, signal.SIGKILL)  # mid-study, mid-trial
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _, err = proc.communicate(timeout=900)  # a hang guard: two tiny trials take about a minute
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the sweep did not reach trial 1's first step within 900 s: {proc.communicate()[1][-2000:]}")
+    assert proc.returncode == -signal.SIGKILL, f"the sweep was not killed in trial 1: {err[-2000:]}"
+    assert _mlflow_trial_runs(uri)["1"].info.status == "RUNNING"
     before = _trials(tmp_path, "clip_range-grpo")
     assert [t.state for t in before] == [TrialState.COMPLETE, TrialState.RUNNING]
 

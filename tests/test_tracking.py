@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_healthy
+from servers import free_port, start_on_free_port, wait_healthy
 from mlflow.tracking import MlflowClient
 
 from stppo import tracker as TR
@@ -28,11 +28,20 @@ MLFLOW = Path(sys.executable).parent / "mlflow"
 def fresh_sqlite(directory: Path, name: str = "mlflow.db") -> str:
     """A new, empty MLflow sqlite store in `directory` (a copy of one initialised per session:
     creating MLflow's schema takes seconds). Returns its URI."""
+    import fcntl
+
     from stppo.cache import cache_dir
 
-    template = cache_dir("test_mlflow_template") / "mlflow.db"
+    folder = cache_dir("test_mlflow_template")  # shared by the pytest-xdist workers
+    template = folder / "mlflow.db"
     if not template.exists():
-        io.make_client(f"sqlite:///{template}").search_experiments()
+        with open(folder / ".lock", "w") as lock:  # one worker builds it; the other waits here
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not template.exists():  # built aside and moved in whole: never copied half-made
+                build = folder / f"build-{os.getpid()}" / "mlflow.db"
+                io.make_client(f"sqlite:///{build}").search_experiments()
+                os.replace(build, template)
+                build.parent.rmdir()
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, directory / name)
     return f"sqlite:///{directory / name}"
@@ -42,19 +51,27 @@ class Server:
     """A real `mlflow server` on a fixed port, started and stopped (SIGKILL) by its own pid."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port, self.proc = root, free_port(), None
-        self.uri = f"http://127.0.0.1:{self.port}"
+        self.root, self.port, self.proc, self.uri = root, None, None, None
+
+    def _command(self, port: int) -> list[str]:
+        return [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
+                "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
+                "--port", str(port), "--workers", "1"]
 
     def start(self, timeout: float = 120) -> None:
+        """Start on a free port the first time, on the same port after that (a restart)."""
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no job-runner workers
-        log = open(self.root / "server.log", "a")
-        self.proc = subprocess.Popen(
-            [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{self.root}/server.db",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log = self.root / "server.log"
+        if self.port is None:
+            self.proc, self.uri = start_on_free_port(self._command, "/health", timeout, log, env=env,
+                                                     start_new_session=True)
+            self.port = int(self.uri.rsplit(":", 1)[1])
+            return
+        with open(log, "a") as out:
+            self.proc = subprocess.Popen(self._command(self.port), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         try:
-            wait_healthy(f"{self.uri}/health", self.proc, timeout, self.root / "server.log")
+            wait_healthy(f"{self.uri}/health", self.proc, timeout, log)
         except BaseException:
             self.stop()
             raise
@@ -123,7 +140,10 @@ def test_server_killed_mid_run_and_restarted_loses_no_step(server, tiny_cfg, tmp
     with caplog.at_level(logging.WARNING, logger="stppo.tracker"):
         run(tiny_cfg("algo=ppo", "trainer.total_steps=5", f"tracking.uri={server.uri}",
                      "tracking.experiment=outage", f"tracking.buffer_dir={tmp_path}/buffer"))
-    assert seen[2][0] < 20 and seen[3][0] < 20, f"a dead server stalled training: {seen}"
+    # a refused connection costs MLflow's bounded retries (HTTP_CLIENT_DEFAULTS: 2 retries, backoff
+    # 1 s) and one of `call`'s, ≈ 6 s of sleeps; MLflow's own defaults (7 retries, backoff 2 s)
+    # would sleep ≈ 4 min: 60 s tells the two apart with 10× room for a busy machine
+    assert seen[2][0] < 60 and seen[3][0] < 60, f"a dead server stalled training: {seen}"
     assert seen[2][1] and seen[3][1], "steps 2-3 were not buffered while the server was down"
     assert not seen[4][1], "the buffer was not flushed when the server came back"
     assert any("unreachable" in m for m in caplog.messages)
@@ -213,18 +233,23 @@ def test_parallel_first_use_of_a_fresh_sqlite_store(tmp_path):
     import multiprocessing
 
     uri = f"sqlite:///{tmp_path}/fresh.db"
-    ctx = multiprocessing.get_context("fork")  # mlflow is already imported: no start-up cost
+    # spawn, not fork: a fork of this threaded process (pytest-xdist, torch) can inherit a held lock
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_first_use, args=(uri, str(tmp_path / f"b{i}"))) for i in range(3)]
     for p in procs:
         p.start()
+    hung = []
     try:
-        for p in procs:
-            p.join(timeout=120)
+        for i, p in enumerate(procs):
+            p.join(timeout=300)  # a hang guard: each takes a few seconds
+            if p.is_alive():
+                hung.append(i)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
+    assert not hung, f"first-use processes {hung} hung past 300 s"
     assert [p.exitcode for p in procs] == [0, 0, 0]
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])

@@ -175,6 +175,9 @@ def test_update_moves_likelihood_in_the_direction_of_the_advantage(tiny_cfg, alg
         with torch.no_grad():
             return float(_actor_loss(c.policy, batch, ctx)[0])
 
+    # a small SGD step against a non-zero gradient lowers the loss (to first order): the batch
+    # must carry a learning signal, which a batch where every group agrees does not
+    assert batch.advantages[batch.loss_mask].abs().max() > 0, "every advantage is 0: no gradient to follow"
     j0, l0 = surrogate(), loss()
     actor_update(c.policy, torch.optim.SGD(c.policy.parameters(), lr=1e-2), batch, ctx)
     assert loss() < l0

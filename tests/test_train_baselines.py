@@ -73,7 +73,7 @@ def test_run_py_finishes_for_every_baseline_preset(tmp_path):
     process, one warm start shared through the cache)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     res = run_py(["-m", f"algo={','.join(BASELINES)}", "+experiment=quick", *TINY_OVERRIDES,
-                  "trainer.total_steps=1", f"tracking.uri={uri}", "trainer.threads=1",
+                  "trainer.total_steps=1", f"tracking.uri={uri}",
                   f"trainer.out_dir={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/multirun"],
                  cwd=tmp_path, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -41,7 +41,7 @@ def init_process_group() -> None:
 
     if dist.is_initialized():
         return
-    with socket.socket() as s:
+    with socket.socket() as s:  # verl's Worker records the master's address; only CUDA binds it
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -50,7 +50,7 @@ def init_process_group() -> None:
         from cpu_platform import use_cpu_platform
 
         use_cpu_platform()
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port bound
     else:
         from verl.utils.distributed import initialize_global_process_group_ray
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,9 @@ EXPECTED = sorted(f"stppo_{p}" for p in PRESETS)
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
     full.pop("VERL_USE_EXTERNAL_MODULES", None)
-    return subprocess.run([sys.executable, "-c", code], cwd="/tmp", env=full, text=True,
-                          capture_output=True, timeout=300)
+    with tempfile.TemporaryDirectory() as empty:  # `-c` puts the cwd first on sys.path: nothing there
+        return subprocess.run([sys.executable, "-c", code], cwd=empty, env=full, text=True,
+                              capture_output=True, timeout=300)
 
 
 LIST_STPPO = ("import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R\n"

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -54,19 +51,11 @@ def corpus_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(corpus_file):
-    from servers import free_port
+    from servers import start_on_free_port
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus", str(corpus_file),
-                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
+    proc, url = start_on_free_port(lambda port: [sys.executable, "-m", "stppo.envs.retrieval_server", "--corpus",
+                                                 str(corpus_file), "--host", "127.0.0.1", "--port", str(port)],
+                                   "/health", 120, corpus_file.parent / "server.log")
     yield url
     proc.terminate()
     proc.wait(timeout=10)

@@ -11,10 +11,13 @@ multi-turn batch whose log π − log π_old has the step's spread, through verl
   ok        log every step, exit 0 (verl's Tracking.finish ends the MLflow run, as verl's does)
   fail      log 2 steps, print a traceback-like tail on stderr, exit 3
   hang      log 2 steps, then wait to be killed (SIGTERM / SIGKILL)
-  collapse  success 0.6, then 0.05 from step 4 on, for up to 1000 steps (the launcher stops it)
-  nonfinite actor/grad_norm = NaN from step 2 on, for up to 1000 steps
+  collapse  success 0.6, then 0.05 from step 4 on; the collapse rule (patience 2) detects it at
+            step 6: log up to step 6, then wait for the launcher to stop it
   alarm     the spread grows ×1.5 per step from step 7 (clip_bias/norm grows exponentially: the
-            clip_bias_growth alarm fires at step 9), for up to 1000 steps
+            clip_bias_growth alarm fires at step 9): log up to step 9, then wait to be stopped
+A run the launcher must stop logs exactly up to the step where the stop is due and no further,
+so what a test reads does not depend on how fast the monitor polls or how busy the machine is.
+Not stopped within STOP_WAIT_S, it says so on stderr and exits 4 (a hang guard, not a verdict).
 STANDIN_STEP_S: seconds between steps (default 0.05); STANDIN_PID_FILE: write the pid there.
 """
 
@@ -24,6 +27,9 @@ import math
 import os
 import sys
 import time
+
+STOP_DUE = {"collapse": 6, "alarm": 9}  # the step at which the launcher stops a run of the mode
+STOP_WAIT_S = 300.0  # > 100× a poll of the monitor (backend.poll_s=0.5) under load
 
 
 def success(mode: str, step: int) -> float:
@@ -62,7 +68,7 @@ def actor_metrics(ov: dict, mode: str, step: int) -> dict[str, float]:
     metrics["actor/pg_loss"] = Metric(value=float(loss), aggregation=AggregationType.SUM)
     out = {k: v.aggregate() for k, v in metrics.items()}
     out.update({"loss": float(loss), "lr": 1e-6, "mfu": 0.1,
-                "grad_norm": math.nan if mode == "nonfinite" and step >= 2 else 1.5})
+                "grad_norm": 1.5})
     out = rename_dict(out, "actor/")  # RayPPOTrainer._update_actor
     out["perf/mfu/actor"] = out.pop("actor/mfu")
     return reduce_metrics({k: [v] for k, v in out.items()})
@@ -78,7 +84,7 @@ def main(argv: list[str]) -> int:
         with open(os.environ["STANDIN_PID_FILE"], "w") as f:
             f.write(str(os.getpid()))
     pause = float(os.environ.get("STANDIN_STEP_S", "0.05"))
-    steps = int(ov["trainer.total_training_steps"]) if mode in ("ok", "fail", "hang") else 1000
+    steps = int(ov["trainer.total_training_steps"]) if mode in ("ok", "fail", "hang") else STOP_DUE[mode]
     test_freq = int(ov["trainer.test_freq"])
     source = pq.read_table(ov["data.val_files"], columns=["data_source"]).column(0)[0].as_py()
     tracking = Tracking(ov["trainer.project_name"], ov["trainer.experiment_name"],
@@ -104,6 +110,11 @@ def main(argv: list[str]) -> int:
     if mode == "hang":
         while True:
             time.sleep(1)
+    if mode in STOP_DUE:
+        time.sleep(STOP_WAIT_S)  # the launcher stops the process group long before
+        print(f"verl stand-in ({mode}): not stopped within {STOP_WAIT_S:.0f} s of step {steps}, where "
+              "the launcher's monitor should have stopped it", file=sys.stderr, flush=True)
+        return 4
     tracking.finish()
     return 0
 
