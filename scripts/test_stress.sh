@@ -10,8 +10,13 @@ cd "$(dirname "$0")/.."
 RUNS=${STRESS_RUNS:-1}
 cores=$(nproc 2>/dev/null || sysctl -n hw.ncpu)
 busy=()
+suite=""
 stop_busy() { ((${#busy[@]})) && kill "${busy[@]}" 2>/dev/null; wait "${busy[@]}" 2>/dev/null; busy=(); }
-trap stop_busy EXIT
+stop_all() {  # the suites' process group (pytest, its workers, what they started), then the busy ones
+  [ -n "$suite" ] && kill -TERM -- "-$suite" 2>/dev/null
+  stop_busy
+}
+trap stop_all EXIT
 trap 'exit 130' INT TERM
 for ((c = 0; c < cores; c++)); do
   # shellcheck disable=SC2016
@@ -21,7 +26,14 @@ done
 echo "== test-stress: $cores busy processes (${busy[*]}) beside the suites, $RUNS run(s)"
 for ((run = 1; run <= RUNS; run++)); do
   echo "== test-stress: run $run of $RUNS"
-  if ! bash scripts/test_suites.sh "$@"; then
+  # in its own process group and waited for: a signal to this script is handled at once (bash
+  # runs a trap only after a foreground command ends) and stops the whole group
+  setsid bash scripts/test_suites.sh "$@" &
+  suite=$!
+  wait "$suite"
+  status=$?
+  suite=""
+  if ((status != 0)); then
     echo "test-stress: run $run of $RUNS FAILED" >&2
     exit 1
   fi
