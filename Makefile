@@ -5,11 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-stamp
 # The verl backend's environment: verl 0.9.1 pins transformers <5.11 and pulls Ray, so it lives
-# apart from .venv (on a cluster, the user's own verl environment plays this role).
+# apart from .venv (on a cluster, the user's own verl environment plays this role). TransferQueue:
+# what verl's v1 trainer imports (verl does not install it), which the bypass corrections need.
 VERL_VENV  := .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.setup-stamp
-VERL_PINS  := verl==0.9.1 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout pytest-xdist
+VERL_PINS  := verl==0.9.1 'TransferQueue==0.1.11' 'mlflow>=3.17,<3.18' 'sqlalchemy<2.1' bm25s pytest pytest-timeout pytest-xdist
 
 # TRL for benchmarks/bench_vs_trl.py only (trl is no dependency of stppo): TRL 1.16 with its own
 # dependencies over the same pinned CPU torch, stppo --no-deps plus what the modules the
@@ -102,8 +103,17 @@ test-portable:
 gpu-wheels:
 	bash scripts/gpu_wheels.sh
 
-# On the CUDA machine, with .gpu/ copied there: the static rollout's CUDA graphs, the rollout and
-# TRL benchmarks, Qwen2.5-0.5B/1.5B at the paper's shapes, SmolLM2-135M with both engines, verl's
-# actor update (scripts/gpu_check.sh; its python: PYTHON, default python3).
+# On the CUDA machine, with .gpu/ copied there: the GPU run (scripts/gpu_run.sh) — every GPU
+# figure under one deadline (DEADLINE_S, 480 s), logs and summary.json in OUT (.gpu/run); its
+# python: PYTHON, default python3.
 gpu-check:
-	bash scripts/gpu_check.sh
+	bash scripts/gpu_run.sh
+
+# Every benchmark's figures beside their goals, each script in a fresh process on one thread
+# (benchmarks/run_all.py, the one list of figures and goals; docs/benchmarks.md shows this
+# machine's). Run it after touching a hot path. BENCH_ONLY=bench_algos,bench_step runs some.
+BENCH_ONLY ?=
+
+.PHONY: bench
+bench: setup
+	$(BIN)/python benchmarks/run_all.py $(if $(BENCH_ONLY),--only $(BENCH_ONLY))

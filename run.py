@@ -1,6 +1,6 @@
 """Hydra entry point: compose the config, train one run, return its objective.
 
-    python run.py                                   # default experiment (st_ppo, tiny, synthetic)
+    python run.py                                   # the default run (st_ppo, tiny, the testbed)
     python run.py algo=ppo seed=1                   # any preset / seed
     python run.py +experiment=collapse_stress       # a named study setting (conf/experiment/)
     python run.py -m algo=ppo,s_ppo,st_ppo seed=0,1,2   # a study (multirun): 9 jobs
@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> float:
         cfg.tracking.sweep = str(hc.sweep.dir)
     validated = False
     try:
-        to_config(cfg)  # a bad setting fails here, before the heavy imports
+        to_config(cfg)  # a bad setting fails here, in one line, before a run or verl starts
         validated = True
         if cfg.backend.name == "verl":  # verl trains in a subprocess (stppo.integrations.verl)
             from stppo.integrations.verl.launcher import Terminated, run

@@ -4,7 +4,7 @@
   policy that sampled (actor lr × PPO epochs × minibatches, `conf/level/`);
 * lag — the param `trainer.offpolicy.lag` (k ≥ 0: the batch of step t was sampled by the policy
   k updates older than the one it trains, θ_{t−1−k}; docs/design.md §8); a run logged before
-  the setting existed has lag 0 (`stppo.param_names`). Its `trainer.offpolicy.lag_mode` (fixed |
+  the setting existed has lag 0 (`stppo.config.param_names`). Its `trainer.offpolicy.lag_mode` (fixed |
   uniform) is kept as a dimension of its own: a lag-k cell of each mode is a cell;
 * correction — the param `algo.rollout_correction` (`none`, also for runs logged before it existed): a preset run
   with a correction is a series of its own, labelled `preset+correction` (`grpo+decoupled_geo_rs`).
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from stppo import param_names as P
+from stppo.config import param_names as P
 
 from .params import param_column
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from stppo import param_names as P
+from stppo.config import param_names as P
 
 from .group_tests import two_group_tests
 from .identical import once

@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stppo import param_names as P
+from stppo.config import param_names as P
 from stppo.cache import cache_dir, content_hash
 from stppo.diagnostics import CollapseConfig, SampledCollapseConfig
 

@@ -1,10 +1,10 @@
-"""A run's params as columns of a per-run table, read through the keys of `stppo.param_names`."""
+"""A run's params as columns of a per-run table, read through the keys of `stppo.config.param_names`."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from stppo.param_names import ParamKey
+from stppo.config.param_names import ParamKey
 
 
 def param_values(runs: pd.DataFrame, params: pd.DataFrame, key: str | ParamKey) -> pd.Series:

@@ -2,7 +2,7 @@
 (speed claims are ratios measured in one run, never timed asserts).
 
 Store: a real MLflow sqlite store of R runs × S steps (default 50 × 500) with the trainer's
-metric keys plus filler keys (~33 keys per step, ~0.8M metric rows), written once through
+metric keys plus filler keys (the tests' synthetic runs, `tests/fixtures/runs.py`) (~33 keys per step, ~0.8M metric rows), written once through
 MlflowClient.log_batch and kept under $STPPO_CACHE_DIR/bench_analysis/ for later runs. Each
 measurement starts from an empty analysis cache. Prints, each on its own line:
     first_load_s: X        cold load: SQL read of every run + writing the per-run parquet cache
@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from stppo.cache import cache_dir, content_hash
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # the synthetic runs: tests/fixtures
 
 EXPERIMENT = "bench"
 PRESETS = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo")
@@ -29,7 +32,8 @@ PRESETS = ("ppo", "turn_ppo", "s_ppo", "st_ppo", "grpo")
 
 def build_store(runs: int, steps: int, extra: int) -> str:
     """The benchmark store (built once per spec, then reused)."""
-    from analysis.fixtures.runs import write_demo_study
+    sys.path.insert(0, str(TESTS))
+    from fixtures.runs import write_demo_study
 
     root = cache_dir("bench_analysis", content_hash("v1", runs, steps, extra))
     uri = f"sqlite:///{root / 'mlflow.db'}"

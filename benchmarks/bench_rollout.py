@@ -76,8 +76,13 @@ from stppo.rollout import static
 from stppo.rollout.weights import sampler_model
 
 
+# The benchmark's world, fixed here so that its figures stay comparable: 180 people, 60 cities,
+# 15 countries, 45 organisations, 300 distractors (smaller than SyntheticConfig's default world).
+WORLD = dict(n_people=180, n_cities=60, n_countries=15, n_orgs=45, n_distractors=300)
+
+
 def setup(n_questions: int, device: str = "cpu", model_name: str = "tiny"):
-    task = build_synthetic_task(n_sft=0, n_train=n_questions, n_val=0, n_test=0)
+    task = build_synthetic_task(**WORLD, n_sft=0, n_train=n_questions, n_val=0, n_test=0)
     random_init = MODEL_PRESETS[model_name].kind == "random"
     env = SearchEnv.for_task(task, BM25Retriever(task.corpus), max_turns=4, topk=2,
                              prompt_style="compact" if random_init else "search_r1")
@@ -191,21 +196,26 @@ def measure(model, tok, env, questions, cfg, repeats: int, compile_generate: boo
     if cuda:
         out["bandwidth"] = decode_bandwidth(model, tok, env, questions, cfg, precision)
     if cuda and compile_generate:
-        # Last, in rounds of its own against the rollout: once transformers has compiled the
-        # static-cache forward (CUDA graphs), a later eager `generate` fails to draw from the
-        # CUDA generator; the rollout draws its uniforms on the CPU.
         static_gen = generate_with("generate_static", {"cache_implementation": "static"})
-        try:
-            static_gen(98)  # compiles the forward for these shapes
-            tokens.pop("generate_static", None)
-            tokens.pop("rollout", None)
-            pair = {"rollout": fns["rollout"], "generate_static": static_gen}
-            for name, st in rounds(pair, repeats, sync).items():
-                out[name + "_2"] = {k: statistics.median(v) for k, v in st.items()}
-                out[name + "_2"]["tokens"] = statistics.median(tokens[name])
-        except Exception as e:  # noqa: BLE001 - reported, the other figures still count
-            out["notes"]["generate_static"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        static_rounds(out, fns["rollout"], static_gen, tokens, repeats, sync)
     return out
+
+
+def static_rounds(out: dict, rollout_fn, static_gen, tokens: dict, repeats: int, sync) -> None:
+    """The rollout against `generate` with a static cache, into `out` (`*_2` entries; a failure
+    in `out['notes']`). Last, in rounds of its own: once transformers has compiled the
+    static-cache forward (CUDA graphs), a later eager `generate` fails to draw from the CUDA
+    generator; the rollout draws its uniforms on the CPU."""
+    try:
+        static_gen(98)  # compiles the forward for these shapes
+        tokens.pop("generate_static", None)
+        tokens.pop("rollout", None)
+        pair = {"rollout": rollout_fn, "generate_static": static_gen}
+        for name, st in rounds(pair, repeats, sync).items():
+            out[name + "_2"] = {k: statistics.median(v) for k, v in st.items()}
+            out[name + "_2"]["tokens"] = statistics.median(tokens[name])
+    except Exception as e:  # noqa: BLE001 - reported, the other figures still count
+        out["notes"]["generate_static"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
 def rounds(fns: dict, repeats: int, sync) -> dict:

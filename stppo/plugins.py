@@ -7,9 +7,10 @@ value a module:
     turn_drift = "turn_drift"
 
 Importing that module registers the package's loss modes (`stppo.algos.contract.loss_mode`, the
-decorator of the built-in ones) and its presets (`stppo.algos.presets.register_preset`, the rows
-of the built-in ones). Its preset folder — the `conf` subpackage of the module's package, with
-`algo/<preset>.yaml` naming each preset as `conf/algo/<preset>.yaml` names a built-in one — joins
+decorator of the built-in ones) and its presets (`stppo.algos.presets.register_preset`, each a
+`Preset` as the built-in ones are). Its preset folder — the `conf` subpackage of the module's
+package, with `algo/<preset>.yaml` naming each preset as `conf/algo/<preset>.yaml` names a
+built-in one — joins
 Hydra's search path (`StppoSearchPath`, registered in the `hydra.plugins` group), so after
 `pip install` `python run.py algo=turn_drift` works as for a built-in preset, on both backends.
 

@@ -69,7 +69,7 @@ TINY_OVERRIDES = [
 
 
 # `STPPO_TEST_DEVICE=cuda pytest tests/test_precision.py` runs the tests that compose the tiny
-# setup on a GPU machine (scripts/gpu_check.sh does); unset, they run on the config's device.
+# setup on a GPU machine (scripts/gpu_run.sh does); unset, they run on the config's device.
 TEST_DEVICE = os.environ.get("STPPO_TEST_DEVICE")
 
 

@@ -8,7 +8,7 @@ import torch
 from stppo.algos import (ADVANTAGE_ESTIMATORS, compute_advantages, gae, grpo_advantages,
                          masked_whiten, turn_gae)
 from stppo.algos.advantages import tir_optimal_token_baseline
-from test_algos_helpers import make_layout, with_garbage
+from helpers.algos import make_layout, with_garbage
 
 
 def loop_gae(rewards, values, gamma, lam):

@@ -10,7 +10,7 @@ import torch
 from stppo import metric_names as K
 from stppo.algos import PRESETS, sapo_gate
 from keyword_loss import policy_loss
-from test_algos_helpers import (check_garbage_is_ignored, check_half_batches_sum_to_whole, check_one_line_error,
+from helpers.algos import (check_garbage_is_ignored, check_half_batches_sum_to_whole, check_one_line_error,
                                 make_inputs)
 
 MODES = ("cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "bapo")

@@ -10,7 +10,7 @@ import torch
 
 from stppo import metric_names as K
 from test_algos_baselines import grad_of, one_row, run
-from test_algos_helpers import (check_garbage_is_ignored, check_half_batches_sum_to_whole, check_one_line_error,
+from helpers.algos import (check_garbage_is_ignored, check_half_batches_sum_to_whole, check_one_line_error,
                                 loop_agg, make_inputs)
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

@@ -9,7 +9,7 @@ import torch
 from stppo import metric_names as K
 from stppo.algos import agg_denoms, agg_loss, clipped_surrogate, importance_ratio
 from keyword_loss import policy_loss
-from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
+from helpers.algos import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 LEVELS = ("token", "turn", "sequence")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

@@ -1,16 +1,16 @@
 """Aggregation, KL estimators, value loss, entropy/log-prob helpers, presets, registries."""
 
 import math
-from dataclasses import FrozenInstanceError
 
 import pytest
 import torch
 
 from stppo import metric_names as K
-from stppo.algos import (KL_ESTIMATORS, LOSS_AGGS, PRESETS, Preset, Registry, UnknownNameError,
+from stppo.algos import (KL_ESTIMATORS, LOSS_AGGS, PRESETS, LossSpec, Preset, Registry,
+                         UnknownNameError,
                          agg_loss, entropy_from_logits, explained_variance, kl_in_reward, kl_loss,
                          kl_penalty, register_preset, token_log_probs, value_loss)
-from test_algos_helpers import loop_agg, make_layout, with_garbage
+from helpers.algos import loop_agg, make_layout, with_garbage
 
 NAN = math.nan
 
@@ -136,17 +136,24 @@ def test_presets_match_the_design_table():
         assert (p.tau is None) == (p.clip_bias == "none")
         assert (p.spec().clip_bias is None) == (p.clip_bias == "none")
     assert PRESETS["st_ppo"].tau == 0.5 and PRESETS["so_grpo"].tau == 2.0
-    with pytest.raises(FrozenInstanceError):
+    with pytest.raises(AttributeError, match="immutable"):
         PRESETS["ppo"].ratio_level = "turn"
+    # a preset is a partial LossSpec: the fields it fixes, nothing it does not
+    assert dict(PRESETS["ppo"].fixes) == {} and PRESETS["ppo"].spec() == LossSpec("ppo")
+    assert dict(PRESETS["st_ppo"].fixes) == {"ratio_level": "turn", "clip_bias": "clip_bias_norm"}
 
 
 def test_presets_registry_errors():
     with pytest.raises(ValueError, match="'ppo' is already registered"):
-        register_preset(Preset("ppo", "token", "none", "gae", True))
+        register_preset(Preset("ppo"))
     with pytest.raises(ValueError, match="valid: ppo, turn_ppo, s_ppo, st_ppo, so_ppo, grpo"):
         PRESETS["nope"]
     with pytest.raises(ValueError, match="ratio_level='word' is not valid; allowed: token"):
-        Preset("x", "word", "none", "gae", True)
+        Preset("x", ratio_level="word")
+    with pytest.raises(ValueError, match="preset 'x': ratio is not a LossSpec field; valid: "):
+        Preset("x", ratio="turn")
+    with pytest.raises(TypeError):
+        Preset("x", "turn")  # fields by name only
 
 
 def test_registry_behaves_like_a_read_only_dict():

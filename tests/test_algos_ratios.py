@@ -7,7 +7,7 @@ import torch
 
 from stppo.algos import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio, token_ratio,
                          turn_ratio)
-from test_algos_helpers import loop_ratio, make_inputs, with_garbage
+from helpers.algos import loop_ratio, make_inputs, with_garbage
 
 LEVELS = ("token", "turn", "sequence")
 

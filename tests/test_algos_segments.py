@@ -17,7 +17,7 @@ from stppo.algos.segments import INTERLEAVE, TurnRatio, TurnSegments
 from stppo.algos.turn_clip import TurnStats
 from keyword_loss import policy_loss
 from test_algos_corrections import linear_policy
-from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
+from helpers.algos import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 B = INTERLEAVE
 CLIP = dict(clip_low=0.2, clip_high=0.2)

@@ -11,7 +11,7 @@ import torch
 from stppo import metric_names as K
 from stppo.algos.segments import subsentence_ids, subsentence_runs
 from keyword_loss import policy_loss
-from test_algos_helpers import check_garbage_is_ignored, check_half_batches_sum_to_whole, loop_agg, make_inputs
+from helpers.algos import check_garbage_is_ignored, check_half_batches_sum_to_whole, loop_agg, make_inputs
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_analysis_fixtures import DEMO, KNOWN, known_uri, run_ids, workbench_uri  # noqa: F401
+from helpers.stores import DEMO, KNOWN, known_uri, run_ids, workbench_uri  # noqa: F401
 
 from analysis import charts as C
 from analysis import collapse_table, load_study

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from test_analysis_fixtures import KNOWN, cache_tmp, known_uri  # noqa: F401
+from helpers.stores import KNOWN, cache_tmp, known_uri  # noqa: F401
 
 from analysis import load_study, per_run_table, collapse_table
 from analysis.export import export_study, load_exported, main

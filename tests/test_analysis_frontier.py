@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from test_analysis_fixtures import SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
+from helpers.stores import SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
 
 from analysis.group_tests import holm
 from analysis.studies.frontier import (cell_table, fig_frontier, level_labels, level_order, pairwise_table,

@@ -9,7 +9,7 @@ import pytest
 from analysis.group_tests import two_group_tests
 from analysis.identical import apart, merged_units, once, unit_column
 from analysis.load import load_study
-from analysis.fixtures.runs import synthetic_series, write_run
+from fixtures.runs import synthetic_series, write_run
 from analysis.tables import per_run_table
 from stppo import metric_names as T
 

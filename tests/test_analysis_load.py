@@ -7,10 +7,11 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_analysis_fixtures import EMPTY, KNOWN, cache_tmp, closed_port, known_uri, run_ids  # noqa: F401
+from helpers.stores import EMPTY, KNOWN, RUNS, cache_tmp, closed_port, known_uri, run_ids  # noqa: F401
 
 from analysis import list_experiments, load_study
 from analysis.load import TIDY_COLUMNS, collapse_config
@@ -25,6 +26,14 @@ from analysis.store import (
 )
 from stppo import metric_names as T
 from stppo.diagnostics import CollapseConfig, SampledCollapseConfig
+
+
+def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
+    study = load_study(KNOWN, known_uri)
+    assert sorted(run_ids(study)) == sorted(RUNS)
+    assert set(study.runs["status"]) == {"FINISHED", "KILLED"}
+    assert study.metrics.groupby("run_id", observed=True)["step"].max().sort_values().tolist() == [
+        10, 20, 30, 30, 30, 30, 30]
 
 
 def test_tidy_frame_has_the_columns_and_the_logged_values(known_uri, cache_tmp):
@@ -172,7 +181,8 @@ def test_unreachable_server_is_one_clear_line(cache_tmp):
 
 
 def test_analysis_and_dashboard_do_not_import_torch():
-    code = ("import sys, analysis, analysis.report, analysis.sweeps, analysis.fixtures.runs, dashboard.common; "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import analysis, analysis.report, analysis.sweeps, fixtures.runs, dashboard.common; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""The params the analysis reads (`stppo.param_names`, `analysis.params`): keys checked against the
+"""The params the analysis reads (`stppo.config.param_names`, `analysis.params`): keys checked against the
 config schema, logged by a run under those keys, and a missing key an error unless the run
 predates the setting."""
 
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from analysis.params import param_column
-from stppo import param_names as P
+from stppo.config import param_names as P
 from stppo.config import compose, to_config
 from stppo.tracker import flatten
 

@@ -8,7 +8,7 @@ import sys
 
 import pandas as pd
 import pytest
-from test_analysis_fixtures import EMPTY, KNOWN, cache_tmp, closed_port, known_uri  # noqa: F401
+from helpers.stores import EMPTY, KNOWN, cache_tmp, closed_port, known_uri  # noqa: F401
 
 from analysis.report import main
 

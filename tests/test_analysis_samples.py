@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_analysis_fixtures import DEMO, closed_port, workbench_uri  # noqa: F401
+from helpers.stores import DEMO, closed_port, workbench_uri  # noqa: F401
 
 from analysis import collapse_table, load_study
 from analysis.samples import SamplesError, default_step, load_samples, samples_frame, saved_steps, trajectories

@@ -1,21 +1,21 @@
 """The staleness axis of the stability frontier: the runs' lag, lag mode and rollout correction read
 from their params (`analysis.axes`), cells and tests per lag on hand-made tables, and the lag and
 level × lag frontiers (tables, figures, early warning per lag) on a real MLflow store of synthetic
-stale runs with known collapse counts (`analysis.fixtures.stale_runs`)."""
+stale runs with known collapse counts (`fixtures.stale_runs`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
-from test_analysis_fixtures import STALE, STALE_B, stale_b_cells, workbench_uri  # noqa: F401
+from helpers.stores import STALE, STALE_B, stale_b_cells, workbench_uri  # noqa: F401
 
 from analysis import load_study
 from analysis.axes import base_preset, preset_label, split_label, with_axes
 from analysis.studies.frontier import build_frontier, cell_table, contrast_table, main, pairwise_table
 from analysis.figures import TURN_MISMATCH
-from analysis.fixtures.runs import turn_metric
-from analysis.fixtures.stale_runs import STALE_CELLS
+from fixtures.runs import turn_metric
+from fixtures.stale_runs import STALE_CELLS
 from stppo import metric_names as T
 
 

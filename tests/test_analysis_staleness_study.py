@@ -141,7 +141,7 @@ def test_parts_and_machines_from_the_runs():
 
 # --- the command on folders exported from a real MLflow store ------------------------------------------
 def _store_cells():
-    from analysis.fixtures.stale_runs import StaleCell as C
+    from fixtures.stale_runs import StaleCell as C
 
     part1 = (C("ppo", 0, 2, 0), C("ppo", 2, 2, 2), C("s_ppo", 2, 2, 1), C("grpo", 2, 2, 1),
              C("grpo", 2, 2, 0, correction="decoupled_geo_rs"), C("ppo", 4, 2, 2),
@@ -156,7 +156,7 @@ def exported(tmp_path_factory):
     """One exported folder per experiment of `_store_cells`, from a real MLflow store."""
     from analysis import load_study
     from analysis.export import export_study
-    from analysis.fixtures.stale_runs import write_stale_study
+    from fixtures.stale_runs import write_stale_study
 
     root = tmp_path_factory.mktemp("v3_store")
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -221,7 +221,7 @@ def test_a_seed_run_twice_counts_once(tmp_path, capsys, monkeypatch):
     from analysis import load_study
     from analysis.export import export_study
     from analysis.studies.staleness import main
-    from analysis.fixtures.stale_runs import StaleCell as C, write_stale_study
+    from fixtures.stale_runs import StaleCell as C, write_stale_study
 
     monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

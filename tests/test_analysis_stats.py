@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 from scipy import stats as sps
-from test_analysis_fixtures import GROWTH, KNOWN, cache_tmp, known_uri, run_ids  # noqa: F401
+from helpers.stores import GROWTH, KNOWN, cache_tmp, known_uri, run_ids  # noqa: F401
 
 import analysis
 from analysis import (

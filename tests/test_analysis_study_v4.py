@@ -121,7 +121,7 @@ def test_d4_says_when_the_ladder_does_not_reach_st_ppos_kl():
 def test_cli_on_exported_synthetic_runs(tmp_path, capsys, monkeypatch):
     from analysis import load_study
     from analysis.export import export_study
-    from analysis.fixtures.stale_runs import StaleCell as C, write_stale_study
+    from fixtures.stale_runs import StaleCell as C, write_stale_study
     from analysis.studies.study_v4 import main
 
     monkeypatch.setenv("STPPO_CACHE_DIR", str(tmp_path / "cache"))

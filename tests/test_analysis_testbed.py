@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.fixtures.runs import write_run
+from fixtures.runs import write_run
 from analysis.studies.testbed import calibration_table, live_shape, main, targets
 from stppo import metric_names as T
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from test_analysis_fixtures import DEMO, SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
+from helpers.stores import DEMO, SIGNAL, SIGNAL_RUNS, workbench_uri  # noqa: F401
 
 from analysis import collapse_table, load_study
 from analysis.report import main

@@ -15,7 +15,7 @@ from stppo.algos import (compute_advantages, groups_with_signal, overlong_penalt
 from stppo.batch import Batch
 from stppo.config import DynamicSamplingConfig
 from stppo.train.dapo import concat_batches, refill
-from test_algos_helpers import make_inputs
+from helpers.algos import make_inputs
 
 
 # --- advantages ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 import json
 
-from test_analysis_fixtures import (DEMO, EMPTY, KNOWN, SIGNAL, STALE, STALE_B, closed_port, known_uri,  # noqa: F401
+from helpers.stores import (DEMO, EMPTY, KNOWN, SIGNAL, STALE, STALE_B, closed_port, known_uri,  # noqa: F401
                                     workbench_uri)
 from test_analysis_sweeps import SWEEP, optuna_url  # noqa: F401
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from servers import start_on_free_port
-from test_analysis_fixtures import known_uri, stale_uri, workbench_uri  # noqa: F401
+from helpers.stores import known_uri, stale_uri, workbench_uri  # noqa: F401
 from test_analysis_sweeps import optuna_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,13 +34,25 @@ def test_same_seed_same_bytes_other_seed_differs(task):
     assert [d.text for d in other.corpus] != [d.text for d in task.corpus]
 
 
-def test_default_sizes_follow_feasibility(task):
+def test_the_default_world_is_the_one_runs_compose(task):
+    """`build_synthetic_task()` builds SyntheticConfig's world with the sizes it says — entities
+    per kind, one document per fact plus the distractors, the split sizes and hop mix — and that
+    world is `task=synthetic_multihop`'s (conf/ sets none of it: the defaults live in Python)."""
+    from stppo.config import compose, to_config
+
+    c = SyntheticConfig()
+    assert task.config == c
     kinds = Counter(e.kind for e in task.world.entities)
-    assert kinds == {"person": 180, "city": 60, "country": 15, "org": 45}
-    assert len(task.corpus) == len(task.world.facts) + 300 == 765
-    assert {s: len(q) for s, q in task.splits.items()} == {"sft": 300, "train": 400, "val": 200,
-                                                         "test": 200}
+    assert kinds == {"person": c.n_people, "city": c.n_cities, "country": c.n_countries, "org": c.n_orgs}
+    assert len(task.corpus) == len(task.world.facts) + c.n_distractors
     assert len({d.id for d in task.corpus}) == len(task.corpus)
+    sizes = {"sft": c.n_sft, "train": c.n_train, "val": c.n_val, "test": c.n_test}
+    assert {s: len(q) for s, q in task.splits.items()} == sizes
+    for s, n in sizes.items():  # the hop mix, split by split (rounded as `build_splits` does)
+        hops = Counter(q.meta["hops"] for q in task.split(s))
+        assert all(abs(hops[h + 1] - n * f) <= 1 for h, f in enumerate(c.hop_mix)), (s, hops)
+    options = to_config(compose(["task=synthetic_multihop"])).task.options
+    assert SyntheticConfig(**{**options, "hop_mix": tuple(options["hop_mix"])}) == c
 
 
 def test_splits_disjoint_and_deduplicated(task):

@@ -19,7 +19,7 @@ from stppo.algos.segments import turn_ids_from_mask
 from stppo.integrations.verl.losses import (dual_clip_fraction, verl_global_denoms,
                                             verl_loss_agg)
 from keyword_loss import policy_loss
-from test_algos_helpers import make_inputs
+from helpers.algos import make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,53 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from layouts import multi_turn_layout
+from helpers.updates import N, T, tiny_policy, update_batch
 from numerics import RecordingSGD, assert_close_to_scale
 from stppo.algos import LOSS_MODES, LossSpec
-from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, ClipBiasConfig, KLConfig, TrainerConfig
-from stppo.models import ValueModel, enable_checkpointing, policy_log_probs
+from stppo.models import ValueModel, enable_checkpointing
 from stppo.train.microbatch import actor_backward, critic_backward, split
-from stppo.train.rollout_corr import step_correction
+from stppo.train.rollout_corr import correction_for
 from stppo.train.update import UpdateContext, actor_update, critic_update
 
-N, T, VOCAB, TOL = 12, 24, 40, 1e-10
+TOL = 1e-10
 RS_SEQ = "rollout_corr/rollout_rs_seq_masked_fraction"
-
-
-def _model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg).double().train()
-
-
-def _batch(policy) -> Batch:
-    """Multi-turn rows (prompt, turns separated by observations, right padding), one row without
-    agent tokens; old log-probs off the current policy (ratios up to e^±0.6, so clips bind),
-    sampler and reference log-probs, advantages, values and returns."""
-    g = torch.Generator().manual_seed(7)
-    ids, attn, loss, turns = multi_turn_layout(g, N, T, VOCAB, prompt=3, action=(1, 6), gap=(1, 4),
-                                               shortest=10, no_agent_rows=(5,))  # row 5: prompt only
-    with torch.no_grad():
-        lp = policy_log_probs(policy, ids, attn, positions=loss)
-
-    def noise(scale):
-        u = torch.rand(N, T, generator=g, dtype=torch.float64)
-        return torch.where(loss, scale * (2 * u - 1), 0.0)
-
-    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, turn_ids=turns,
-                 segment_ids=subsentence_ids(ids % 5 == 0, loss, turns),  # SSPO's subsentences
-                 group_ids=torch.arange(N) // 2, scores=torch.rand(N, generator=g),
-                 old_log_probs=lp + noise(0.6), rollout_log_probs=lp + noise(0.8),
-                 ref_log_probs=lp + noise(0.5),
-                 advantages=torch.randn(N, T, generator=g, dtype=torch.float64),
-                 values=torch.randn(N, T, generator=g, dtype=torch.float64),
-                 returns=torch.randn(N, T, generator=g, dtype=torch.float64))
 
 
 def _algo(name="ppo", **kw) -> AlgoConfig:
@@ -71,12 +37,13 @@ def _algo(name="ppo", **kw) -> AlgoConfig:
 
 
 def _corrected(mb: Batch, algo: AlgoConfig) -> Batch:
-    """The batch as the preparation leaves it under the run's rollout clip_bias: decoupled, its
+    """The batch as the preparation leaves it under the run's rollout correction: decoupled, its
     kept tokens and IS weights (once, from π_old); bypass, π_old = the sampler's."""
-    rc = algo.spec.rollout_correction
-    if rc.bypass_mode:
-        return replace(mb, old_log_probs=mb.rollout_log_probs)
-    return step_correction(mb, mb.old_log_probs, rc)[0] if rc.decoupled else mb
+    corr = correction_for(algo.spec.rollout_correction)
+    old = corr.old_log_probs(mb)
+    if old is not None:
+        return replace(mb, old_log_probs=old)
+    return corr.prepare(mb, mb.old_log_probs)[0]
 
 
 def _ctx(algo: AlgoConfig, micro: int) -> UpdateContext:
@@ -166,8 +133,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def setup():
-    policy = _model()
-    return policy, _batch(policy)
+    policy = tiny_policy()
+    return policy, update_batch(policy)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -235,16 +202,16 @@ def test_micro_batched_critic_equals_the_whole_minibatch(setup, micro):
 
 
 def test_parts_are_consecutive_rows():
-    policy = _model()
-    mb = _batch(policy)
+    policy = tiny_policy()
+    mb = update_batch(policy)
     parts = split(mb, 5)
     assert [len(p) for p in parts] == [5, 5, 2]
     assert torch.equal(torch.cat([p.input_ids for p in parts]), mb.input_ids)
 
 
 def _update(micro: int, checkpointing: bool, algo: AlgoConfig):
-    policy = _model()
-    batch = _batch(policy)
+    policy = tiny_policy()
+    batch = update_batch(policy)
     critic = ValueModel.from_policy(policy).train()
     if checkpointing:
         enable_checkpointing(policy)
@@ -267,7 +234,7 @@ def test_update_with_micro_batches_and_checkpointing_equals_the_plain_update(alg
     the same weights and reports the same metrics. Float64 and SGD (tests/numerics.py): only the
     order of sums differs, so TOL (float64 rounding with room to spare) holds on any kernels."""
     algo = _algo(**algo)
-    init = [p.detach().clone() for p in _model().parameters()]
+    init = [p.detach().clone() for p in tiny_policy().parameters()]
     p0, c0, m0, g0 = _update(0, False, algo)
     p1, c1, m1, g1 = _update(2, True, algo)
     assert len(g0) == len(g1) == 8
@@ -291,8 +258,8 @@ def test_update_with_micro_batches_and_checkpointing_equals_the_plain_update(alg
 def test_checkpointing_recomputes_the_layers_in_backward():
     """The option works with the lean forward and micro-batches: each decoder layer runs twice
     per part (forward, then recomputed in backward)."""
-    policy = _model()
-    batch = _batch(policy)
+    policy = tiny_policy()
+    batch = update_batch(policy)
     enable_checkpointing(policy)
     calls = []
     policy.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))  # (‡)

@@ -21,7 +21,7 @@ import torch
 
 from stppo.algos import LossSpec, policy_loss
 from stppo.config import compose, to_config
-from test_algos_helpers import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
+from helpers.algos import loop_agg, loop_ratio, loop_surrogate, make_inputs, with_garbage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,10 +104,11 @@ def test_micro_batches_equal_the_whole_minibatch_both_ways(monkeypatch):
     """separable=True (each part backwards its share) and, forced off, the chain rule through the
     minibatch's log-probs: the same gradient and metrics as the whole minibatch."""
     import test_microbatch as tm
+    from helpers.updates import tiny_policy, update_batch
 
     algo = to_config(compose(["algo=turn_drift", "+algo.loss_options.beta=0.5", "algo.dual_clip=2.0"])).algo
-    policy = tm._model()
-    mb = tm._batch(policy)
+    policy = tiny_policy()
+    mb = update_batch(policy)
     whole = tm._grads(policy, mb, tm._ctx(algo, 0))
     tm._assert_same(whole, tm._grads(policy, mb, tm._ctx(algo, 3)), "shares")
     monkeypatch.setattr(LossSpec, "separable", property(lambda self: False))
@@ -143,7 +144,7 @@ def mine_good(x, spec):
     return loss, {"mine/ratio_mean": ratio[x.loss_mask].mean().detach()}
 
 
-register_preset(Preset("mine_good", "token", "none", "grpo", False, loss_mode="mine_good"))
+register_preset(Preset("mine_good", loss_mode="mine_good", advantage="grpo", use_critic=False))
 """
 
 # --- the contract: one line, exit 1, before any work ----------------------------------------------
@@ -155,8 +156,7 @@ BAD = {
                   "cannot be imported (ValueError: loss mode mine_signature:loss must take exactly two "
                   "arguments (inputs, spec), got (x, spec, extra))"),
     "unregistered": ("from stppo.algos import Preset, register_preset\n"
-                     "register_preset(Preset('mine_unregistered', 'token', 'none', 'grpo', False, "
-                     "loss_mode='nowhere'))\n",
+                     "register_preset(Preset('mine_unregistered', loss_mode='nowhere'))\n",
                      "preset 'mine_unregistered': algo.loss_mode='nowhere' is not valid; allowed: "),
     "no_preset": ("X = 1\n", "algo.name='mine_no_preset' is not valid; allowed: "),
 }

@@ -73,8 +73,8 @@ def run_of(client, seed: int):
 def study(tmp_path_factory, verl_python):
     """One store: a verl run that trains to the end (seed 0), one that collapses and is stopped
     (seed 1, a sweep trial), one whose clipping bias grows until an alarm stops it (seed 4,
-    trainer.on_alarm=stop), and own-backend runs of the same experiment (analysis.fixtures.runs)."""
-    from analysis.fixtures.runs import write_demo_study
+    trainer.on_alarm=stop), and own-backend runs of the same experiment (fixtures.runs)."""
+    from fixtures.runs import write_demo_study
 
     tmp = tmp_path_factory.mktemp("verl_study")
     mp = pytest.MonkeyPatch()

@@ -50,7 +50,7 @@ import pandas as pd
 import scipy.stats as sps
 from matplotlib.figure import Figure
 
-from stppo import param_names as P
+from stppo.config import param_names as P
 from stppo.tracker import resolve_uri
 
 from ..axes import AXES, as_tuple, axis_columns, axis_names, base_preset, lag_label, lag_order, with_axes

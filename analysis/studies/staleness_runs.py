@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from stppo import param_names as P
+from stppo.config import param_names as P
 
 from ..axes import with_axes
 from ..params import param_column, param_values

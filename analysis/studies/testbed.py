@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from stppo import metric_names as T
-from stppo import param_names as P
+from stppo.config import param_names as P
 from stppo.tracker import resolve_uri
 
 from ..export import merge_stores

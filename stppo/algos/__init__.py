@@ -24,11 +24,12 @@ from stppo.algos.entropy import entropy_from_logits, token_log_probs
 from stppo.algos.kl import KL_ESTIMATORS, kl_in_reward, kl_loss, kl_penalty
 from stppo.algos.policy import LossOutput, policy_loss
 from stppo.algos.presets import PRESETS, Preset, register_preset
-from stppo.algos.spec import DEFAULT_LOSS_AGG, LossSpec, RolloutCorrection
+from stppo.algos.spec import DEFAULT_LOSS_AGG, LossSpec
 from stppo.algos.ratios import (RATIO_LEVELS, importance_ratio, log_ratio, sequence_ratio,
                                 token_ratio, turn_ratio)
-from stppo.algos.rollout_corr import (ROLLOUT_CORRECTIONS, Corrected, is_weights,
-                                      reinforce_loss, rejection_mask, rollout_correction)
+from stppo.algos.rollout_corr import (ROLLOUT_CORRECTIONS, Corrected, RolloutCorrection,
+                                      is_weights, rejection_mask, rollout_correction)
+from stppo.algos.rollout_corr.reinforce import reinforce_loss
 from stppo.registry import Registry, UnknownNameError
 from stppo.algos.surrogate import Surrogate, SurrogateParts, clipped_surrogate, surrogate_parts
 from stppo.algos.value import explained_variance, value_loss

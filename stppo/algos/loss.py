@@ -63,8 +63,7 @@ def _clip(x: LossInputs, spec, advantages: torch.Tensor):
             clip_high=spec.clip_high, loss_agg=spec.loss_agg, spec=spec.clip_bias, dual_clip=spec.dual_clip,
             global_denoms=x.global_denoms, params=params, reduce=x.reduce,
             clip_bias_grad_norm=x.clip_bias_grad_norm)
-        return loss, metrics, ratio_and_clip(x.log_probs, x.old_log_probs, advantages, x.loss_mask,
-                                             x.turn_ids, spec)[1]
+        return loss, metrics, None  # κ on first use (`LossOutput.clipped`): most calls never read it
     loss_mask, turn_ids = x.loss_mask, x.turn_ids
     delta = log_ratio(x.log_probs, x.old_log_probs, loss_mask)  # (N, T) with graph
     rho = RATIO_LEVELS[spec.ratio_level](delta, loss_mask, turn_ids)  # (N, T) with graph

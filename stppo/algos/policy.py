@@ -4,10 +4,9 @@
         -> LossOutput: loss, metrics, and per token ratio and clipped
 
 `spec` (`stppo.algos.spec.LossSpec`) fixes the loss: its loss mode's function
-(`stppo.algos.contract`: the clip path, a baseline, a researcher's stabiliser — one contract)
-gets the tensors and the call's keywords as `LossInputs` and the spec; a bypass-mode REINFORCE
-rollout correction (old_log_probs = π_rollout) replaces the preset's loss by verl's REINFORCE
-loss (`stppo.algos.rollout_corr.reinforce`). The keywords are what a call adds to the spec: the
+(`stppo.algos.contract`: the clip path, a baseline, verl's bypass REINFORCE, a researcher's
+stabiliser — one registry, one contract) gets the tensors and the call's keywords as
+`LossInputs` and the spec. The keywords are what a call adds to the spec: the
 data-parallel reduction (`global_denoms`, `reduce`), the policy parameters (the clip bias's
 `grad` estimator), the IS weights, a ‖C‖ the caller computed, the subsentence labels (SSPO).
 Tensors are checked here, the spec was validated when it was built; a mode's metrics are
@@ -32,7 +31,6 @@ from stppo.algos.contract import LossInputs, check_dtypes, check_metric_names, c
 from stppo.algos.loss import ratio_and_clip
 from stppo.algos.modes import LOSS_MODES
 from stppo.algos.ratios import importance_ratio
-from stppo.algos.rollout_corr.reinforce import reinforce_loss
 from stppo.algos.spec import LossSpec
 from stppo.algos.surrogate import clipped_surrogate
 from stppo.metric_names import PG_CLIPFRAC
@@ -100,7 +98,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     of the agent tokens, for the loss modes that read them (`segments`: sspo)."""
     if not isinstance(spec, LossSpec):
         raise TypeError(f"policy_loss takes a LossSpec, got {type(spec).__name__}")
-    mode = LOSS_MODES[spec.loss_mode]
+    mode = LOSS_MODES[spec.runs]  # the preset's mode, or bypass REINFORCE's (`LossSpec.runs`)
     check_token_tensors(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
                         loss_mask=loss_mask, turn_ids=turn_ids)
     check_dtypes(log_probs, loss_mask, turn_ids)
@@ -109,7 +107,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         rollout_is_weights = rollout_is_weights.detach()
     if mode.segments:
         if segment_ids is None:
-            raise ValueError(f"loss_mode={spec.loss_mode!r} needs segment_ids, the subsentence labels "
+            raise ValueError(f"loss_mode={spec.runs!r} needs segment_ids, the subsentence labels "
                              "of the agent tokens (stppo.algos.segments.subsentence_ids)")
         check_token_tensors(log_probs=log_probs, segment_ids=segment_ids)
     if reduce is not None and global_denoms is None:
@@ -117,15 +115,12 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     x = LossInputs(log_probs, old_log_probs, advantages, loss_mask, turn_ids, global_denoms, reduce,
                    rollout_is_weights, segment_ids, params, clip_bias_grad_norm)
     inputs = (log_probs, old_log_probs, advantages, loss_mask, turn_ids, spec)
-    if spec.rollout_correction.reinforce:  # bypass mode: verl's REINFORCE, old = π_rollout
-        loss, metrics = reinforce_loss(x, spec)
-        return LossOutput(loss, metrics, inputs)
     out = mode.fn(x, spec)
     if not (isinstance(out, tuple) and len(out) in (2, 3) and hasattr(out[1], "keys")):
-        raise ValueError(f"loss mode {spec.loss_mode!r} must return (loss, metrics) or (loss, "
+        raise ValueError(f"loss mode {spec.runs!r} must return (loss, metrics) or (loss, "
                          f"metrics, clipped), got {type(out).__name__}")
     loss, metrics, clipped = (*out, None)[:3]
-    check_metric_names(spec.loss_mode, metrics)
+    check_metric_names(spec.runs, metrics)
     metrics = dict(metrics)
     if PG_CLIPFRAC not in metrics:  # a stabiliser's own metrics: the clip path's diagnostics too
         metrics = {**stability_metrics(loss, log_probs, old_log_probs, advantages, loss_mask,

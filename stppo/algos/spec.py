@@ -1,8 +1,10 @@
 """`LossSpec`: everything that fixes a run's policy loss, validated once (docs/design.md §2).
 
-A preset (`stppo.algos.presets`) is the one definition of a named loss; a run's `algo` config
-turns it — with the run's overrides (clip range, τ, options, …) — into one frozen `LossSpec` at
-start (`stppo.config.AlgoConfig.spec`). The own trainer, data parallelism, the verl plugin and
+A preset (`stppo.algos.presets`) is a partial LossSpec: the fields one named loss fixes; a run's
+`algo` config turns it — with the run's overrides (clip range, τ, options, …) — into one frozen
+`LossSpec` at start (`stppo.config.AlgoConfig.spec`). Every default of a loss is written once:
+the fields' here, a loss mode's options in its `@loss_mode` declaration, a clip-bias kind's τ
+in its registration (`stppo.algos.clip_bias`). The own trainer, data parallelism, the verl plugin and
 every check read that object; `policy_loss(..., spec)` takes it, and a loss mode reads its
 fields (`stppo.algos.contract`). An invalid value — a field out of range, or one the loss mode
 does not declare it can take (ratio level, dual clip, clip-bias scale, options) — is one
@@ -15,18 +17,19 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from stppo.algos.advantages import ADVANTAGE_ESTIMATORS, OLD_POLICY_ESTIMATORS
 from stppo.algos.aggregation import LOSS_AGGS
-from stppo.algos.clip_bias import ClipBias
+from stppo.algos.clip_bias import CLIP_BIAS_KINDS, ClipBias
 from stppo.algos.ratios import RATIO_LEVELS
-from stppo.algos.rollout_corr.presets import ROLLOUT_CORRECTIONS, resolve
+from stppo.algos.rollout_corr import RolloutCorrection
 
 DEFAULT_LOSS_AGG = "seq-mean-token-mean"
 DEFAULT_CLIP = 0.2
 # the others need a critic
 CRITIC_FREE_ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "tir_optimal_token_baseline")
+REINFORCE = "reinforce"  # the loss mode of a bypass REINFORCE correction
 
 
 def _fail(name: str, message: str) -> None:
@@ -43,60 +46,12 @@ def _number(x: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class RolloutCorrection:
-    """The run's sampler/trainer mismatch correction (`algo.rollout_correction`, docs/design.md §2
-    "Rollout correction"): a name of `stppo.algos.rollout_corr.ROLLOUT_CORRECTIONS` — verl 0.9.1's
-    `RolloutCorrectionConfig` presets, or 'none' (the mismatch metrics only) — and `options`,
-    the arguments of verl's classmethod of that name (resolved: every argument, its default
-    unless given). The other fields are verl's, derived from the two (`algorithm.rollout_correction.*`
-    under the verl backend)."""
-
-    name: str = "none"
-    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    rollout_is: Optional[str] = field(init=False, default=None)  # None | token | sequence
-    rollout_is_threshold: Any = field(init=False, default=2.0)  # C, or 'lower_upper' (IcePop)
-    rollout_is_batch_normalize: bool = field(init=False, default=False)
-    rollout_rs: Optional[str] = field(init=False, default=None)  # rejection option(s)
-    rollout_rs_threshold: Any = field(init=False, default=None)
-    bypass_mode: bool = field(init=False, default=False)  # π_old := π_rollout
-    loss_type: str = field(init=False, default="ppo_clip")  # bypass: ppo_clip | reinforce
-
-    def __post_init__(self) -> None:
-        _one_of("rollout_correction", self.name, tuple(ROLLOUT_CORRECTIONS))
-        if not isinstance(self.options, Mapping):
-            _fail("rollout_correction_options", f" must be a mapping, got {self.options!r}")
-        try:
-            resolved, options = resolve(self.name, self.options)
-        except ValueError as e:
-            raise ValueError(f"algo.rollout_correction_options.{e}") from None
-        object.__setattr__(self, "options", MappingProxyType(options))
-        for k, v in resolved.items():
-            object.__setattr__(self, k, v)
-
-    @property
-    def reinforce(self) -> bool:
-        """Bypass mode with verl's REINFORCE loss in place of the preset's."""
-        return self.bypass_mode and self.loss_type == "reinforce"
-
-    @property
-    def applies_weights(self) -> bool:
-        """Whether IS weights multiply the policy loss (decoupled; bypass REINFORCE)."""
-        return self.rollout_is is not None and (not self.bypass_mode or self.reinforce)
-
-    @property
-    def decoupled(self) -> bool:
-        """Decoupled mode with weights or rejection: computed once per step from π_old."""
-        return not self.bypass_mode and (self.rollout_is is not None or self.rollout_rs is not None)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "options": dict(self.options)}
-
-
-@dataclass(frozen=True)
 class LossSpec:
     """A run's policy loss. `clip_bias`: None or a `ClipBias` (kind, τ, estimator,
-    granularity); `options`: the loss mode's resolved options (its defaults updated with the
-    given ones); `advantage` and `use_critic`: the estimator that feeds the loss."""
+    granularity; a kind's name is read as `ClipBias(kind)`); `options`: the loss mode's resolved
+    options (its defaults updated with the given ones); `advantage` and `use_critic`: the
+    estimator that feeds the loss. `runs` is the loss mode that runs: `loss_mode`, or
+    `reinforce` under a bypass rollout correction with loss_type 'reinforce'."""
 
     name: str
     ratio_level: str = "token"
@@ -104,7 +59,7 @@ class LossSpec:
     clip_high: float = DEFAULT_CLIP
     dual_clip: Optional[float] = None
     loss_agg: str = DEFAULT_LOSS_AGG
-    clip_bias: Optional[ClipBias] = None
+    clip_bias: Union[ClipBias, str, None] = None
     loss_mode: str = "clip"
     options: Mapping[str, float] = field(default_factory=dict, hash=False)
     rollout_correction: RolloutCorrection = RolloutCorrection()
@@ -112,8 +67,6 @@ class LossSpec:
     use_critic: bool = True
 
     def __post_init__(self) -> None:
-        from stppo.algos.modes import LOSS_MODES, resolve_options
-
         _one_of("ratio_level", self.ratio_level, RATIO_LEVELS)
         _one_of("loss_agg", self.loss_agg, LOSS_AGGS)
         _one_of("advantage", self.advantage, ADVANTAGE_ESTIMATORS)
@@ -125,39 +78,59 @@ class LossSpec:
             _fail("dual_clip", f" must be null or > 1, got {self.dual_clip}")
         if not (self.advantage in CRITIC_FREE_ADVANTAGES or self.use_critic):
             _fail("advantage", f"={self.advantage} needs a critic: set algo.use_critic=true")
+        if isinstance(self.clip_bias, str):
+            _one_of("clip_bias.kind", self.clip_bias, tuple(CLIP_BIAS_KINDS))
+            object.__setattr__(self, "clip_bias", ClipBias(self.clip_bias))
         if self.clip_bias is not None and not isinstance(self.clip_bias, ClipBias):
-            raise ValueError(f"algo.clip_bias must be a ClipBias or None, got "
+            raise ValueError(f"algo.clip_bias must be a ClipBias, a kind or None, got "
                              f"{type(self.clip_bias).__name__}")
         if self.clip_bias is not None and self.clip_bias.kind == "none":
             object.__setattr__(self, "clip_bias", None)
         if not isinstance(self.rollout_correction, RolloutCorrection):
             raise ValueError(f"algo.rollout_correction must be a RolloutCorrection, got "
                              f"{type(self.rollout_correction).__name__}")
-        _one_of("loss_mode", self.loss_mode, tuple(LOSS_MODES))
-        mode = LOSS_MODES[self.loss_mode]  # what the mode declares it can take
-        if self.ratio_level not in mode.ratio_levels:
-            raise ValueError(f"algo: loss_mode={self.loss_mode!r} is defined at ratio_level "
-                             f"{' | '.join(mode.ratio_levels)}, got {self.ratio_level!r}")
-        if self.clip_bias is not None and not mode.clip_bias:
-            raise ValueError(f"algo: loss_mode={self.loss_mode!r} takes no clip-bias scale (got "
-                             f"{self.clip_bias.kind!r}); the scales apply to loss_mode='clip'")
-        if self.dual_clip is not None and not mode.dual_clip:
-            raise ValueError(f"algo: loss_mode={self.loss_mode!r} has no dual clip; set dual_clip to null")
-        try:
-            opts = resolve_options(self.loss_mode, dict(self.options))
-        except ValueError as e:
-            raise ValueError(f"algo: {e}") from None
-        object.__setattr__(self, "options", MappingProxyType(opts))
         rc = self.rollout_correction
-        if rc.reinforce and (self.loss_mode, self.ratio_level, self.clip_bias) != ("clip", "token", None):
+        if rc.mode == "bypass" and self.advantage in OLD_POLICY_ESTIMATORS:
+            _fail("rollout_correction", f"={rc.name} takes the sampler's log-probs as π_old (no "
+                  f"old-policy forward), but advantage={self.advantage} reads that forward's "
+                  f"Σπ²: use a decoupled correction (e.g. decoupled_token_is) or none")
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        """The loss mode that runs (`runs`) takes this spec: what its `@loss_mode` declares it
+        can take (ratio level, clip-bias scale, dual clip, options), the options resolved."""
+        from stppo.algos.modes import LOSS_MODES, resolve_options
+
+        _one_of("loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        rc = self.rollout_correction
+        plain = (self.ratio_level, self.clip_bias) == ("token", None)
+        if rc.reinforce and not (plain and self.loss_mode in ("clip", REINFORCE)):
             _fail("rollout_correction", f"={rc.name} replaces the policy loss with verl's bypass "
                   f"REINFORCE loss (no ratio, no clip); it needs a preset on the plain clip path "
                   f"(loss_mode clip, ratio_level token, no clip_bias), got loss_mode "
                   f"{self.loss_mode}, ratio_level {self.ratio_level}, clip_bias {self.clip_bias_kind}")
-        if rc.bypass_mode and self.advantage in OLD_POLICY_ESTIMATORS:
-            _fail("rollout_correction", f"={rc.name} takes the sampler's log-probs as π_old (no "
-                  f"old-policy forward), but advantage={self.advantage} reads that forward's "
-                  f"Σπ²: use a decoupled correction (e.g. decoupled_token_is) or none")
+        name = self.runs
+        mode = LOSS_MODES[name]
+        if self.ratio_level not in mode.ratio_levels:
+            raise ValueError(f"algo: loss_mode={name!r} is defined at ratio_level "
+                             f"{' | '.join(mode.ratio_levels)}, got {self.ratio_level!r}")
+        if self.clip_bias is not None and not mode.clip_bias:
+            raise ValueError(f"algo: loss_mode={name!r} takes no clip-bias scale (got "
+                             f"{self.clip_bias.kind!r}); the scales apply to loss_mode='clip'")
+        if self.dual_clip is not None and not mode.dual_clip:
+            raise ValueError(f"algo: loss_mode={name!r} has no dual clip; set dual_clip to null")
+        try:
+            opts = resolve_options(name, dict(self.options))
+        except ValueError as e:
+            raise ValueError(f"algo: {e}") from None
+        object.__setattr__(self, "options", MappingProxyType(opts))
+
+    @property
+    def runs(self) -> str:
+        """The loss mode that runs: `loss_mode`, or `reinforce` — verl's bypass-mode REINFORCE
+        loss, which replaces the plain clip path — under a bypass rollout correction with
+        loss_type 'reinforce' (`RolloutCorrection.reinforce`)."""
+        return REINFORCE if self.rollout_correction.reinforce else self.loss_mode
 
     @property
     def clip_bias_kind(self) -> str:
@@ -171,10 +144,9 @@ class LossSpec:
         'batch'), no batch-level choice of the loss mode (`LossMode.separable`)."""
         from stppo.algos.modes import LOSS_MODES
 
-        c, rc = self.clip_bias, self.rollout_correction
-        batch_weights = rc.bypass_mode and rc.applies_weights and rc.rollout_is_batch_normalize
-        return (LOSS_MODES[self.loss_mode].separable and (c is None or c.granularity == "sequence")
-                and not batch_weights)
+        c = self.clip_bias
+        return (LOSS_MODES[self.runs].separable and (c is None or c.granularity == "sequence")
+                and not self.rollout_correction.batch_normalized_weights)
 
     def replace(self, **changes: Any) -> "LossSpec":
         """A copy with `changes` (validated again)."""
@@ -195,3 +167,11 @@ class LossSpec:
         d["clip_bias"] = None if c is None else ClipBias(**c)
         d["rollout_correction"] = RolloutCorrection(**(d.get("rollout_correction") or {}))
         return cls(**d)
+
+
+# The fields a run's config may set one by one (`stppo.config.AlgoConfig`: null = the preset's);
+# the others have a shape of their own there (the clip bias's group, the options' mapping, the
+# rollout correction's name and options).
+PLAIN_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(LossSpec)
+    if f.name not in ("name", "clip_bias", "options", "rollout_correction"))

@@ -147,8 +147,9 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                           params: Optional[list[torch.Tensor]], reduce: Reduce,
                           clip_bias_grad_norm: Optional[torch.Tensor] = None,
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`clip_policy_loss` at ratio_level='turn' (arguments checked there); same loss, gradient
-    and metrics as the token-by-token computation, up to float rounding."""
+    """The loss mode `clip` (`stppo.algos.loss`) at ratio_level='turn' (the tensors checked by
+    `policy_loss`); the same loss, gradient and metrics as the token-by-token computation, up to
+    float rounding."""
     with torch.no_grad():
         raw = (log_probs.float() if log_probs.dtype in HALF else log_probs) - old_log_probs
         diff = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N, T), garbage off agent tokens
@@ -174,7 +175,6 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         bias_rows = bias_seg.sum(1)  # (N,) Σ_{t∈i} κ(ρA)²
         bias_sq_sum = (bias_rows * rows_corr).sum()
         bias_norm = (bias_sq_sum if reduce is None else reduce(bias_sq_sum)).sqrt()
-        s_sq_rows = (cl.r_pos.square() * q_pos + cl.r_neg.square() * q_neg).sum(1)  # (N,) Σ s²
         n_high = torch.where(cl.high, st.n[..., POS], 0.0).sum()
         n_low = torch.where(cl.low, st.n[..., NEG], 0.0).sum()
 
@@ -196,14 +196,25 @@ def turn_clip_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
         row_l = rows_loss if scale is None else rows_loss * scale  # (N,) λ folds in per row
         const_sum = (const.sum(1) * row_l).sum()
     loss = SegmentDot.apply(log_probs, st, coef * row_l.unsqueeze(1), live) + const_sum
-    with torch.no_grad():
-        n_tok = lengths.sum().clamp(min=1)
-        rho_agent = torch.where(st.count > 0, st.rho, 0.0)  # (N, K)
-        metrics = clip_metrics(
-            loss, loss_norm=(s_sq_rows * rows).sum().sqrt(), clipfrac_high=n_high / n_tok,
-            clipfrac_low=n_low / n_tok, ppo_kl=-st.delta_sum.sum() / n_tok,
-            ratio_mean=(st.rho * st.count).sum() / n_tok,
-            ratio_max=rho_agent.max() if rho_agent.numel() else torch.zeros_like(n_tok),
-            bias_norm=bias_norm, scale=scale, lengths=lengths)
+    metrics = _turn_metrics(loss, st, cl, rows, (n_high, n_low), bias_norm, scale)
     metrics.update(extra)
     return loss, metrics
+
+
+@torch.no_grad()
+def _turn_metrics(loss: torch.Tensor, st: TurnStats, cl: _Clip, rows: torch.Tensor,
+                  clipped: tuple[torch.Tensor, torch.Tensor], bias_norm: torch.Tensor,
+                  scale: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`clip_metrics` from the turn statistics (token-weighted over agent tokens, as token by
+    token); `rows` (N,) the local aggregation factors, `clipped` the counts #κ_high, #κ_low."""
+    lengths = st.count.sum(1)  # (N,)
+    n_tok = lengths.sum().clamp(min=1)
+    q_pos, q_neg = st.q[..., POS], st.q[..., NEG]
+    s_sq_rows = (cl.r_pos.square() * q_pos + cl.r_neg.square() * q_neg).sum(1)  # (N,) Σ s²
+    rho_agent = torch.where(st.count > 0, st.rho, 0.0)  # (N, K)
+    return clip_metrics(
+        loss, loss_norm=(s_sq_rows * rows).sum().sqrt(), clipfrac_high=clipped[0] / n_tok,
+        clipfrac_low=clipped[1] / n_tok, ppo_kl=-st.delta_sum.sum() / n_tok,
+        ratio_mean=(st.rho * st.count).sum() / n_tok,
+        ratio_max=rho_agent.max() if rho_agent.numel() else torch.zeros_like(n_tok),
+        bias_norm=bias_norm, scale=scale, lengths=lengths)

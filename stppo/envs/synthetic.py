@@ -16,7 +16,7 @@ text); each split's hop counts follow `hop_mix` (largest-remainder rounding).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from stppo.envs.base import Doc, Question, Task
 from stppo.envs.rewards import normalize_answer
@@ -52,16 +52,19 @@ TEMPLATES: tuple[tuple[tuple[str, ...], str], ...] = (
 
 @dataclass
 class SyntheticConfig:
-    """Sizes of the world and of the question splits (defaults: FEASIBILITY.md's world)."""
-    seed: int = 0
-    n_people: int = 180
-    n_cities: int = 60
-    n_countries: int = 15
-    n_orgs: int = 45
+    """Sizes of the world and of the question splits. The defaults are the world of
+    `task=synthetic_multihop` (and of the testbed, which asks more multi-hop and RL questions in
+    it: conf/task/testbed.yaml); `task.options.<field>` changes one."""
+    seed: int = 0  # the world's seed (fixed across a study: every run sees the same world)
+    n_people: int = 300
+    n_cities: int = 80
+    n_countries: int = 20
+    n_orgs: int = 60
     works_for_frac: float = 2 / 3  # fraction of people with a works_for fact
-    n_distractors: int = 300  # distractor documents, dealt over the entities
-    hop_mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # fractions of 1-, 2-, 3-hop questions
-    n_sft: int = 300
+    n_distractors: int = 400  # distractor documents, dealt over the entities
+    # fractions of 1-, 2-, 3-hop questions (a list in the config, a tuple once built)
+    hop_mix: list[float] = field(default_factory=lambda: [0.4, 0.4, 0.2])
+    n_sft: int = 800  # warm-start questions (disjoint from all others)
     n_train: int = 400
     n_val: int = 200  # ≥ 200: 100 questions give ±5 points of noise
     n_test: int = 200
@@ -173,15 +176,27 @@ def build_splits(pools: dict[int, list[dict]], cfg: SyntheticConfig, rng: random
     return splits
 
 
+def synthetic_config(name: str, options: dict) -> SyntheticConfig:
+    """`SyntheticConfig` of `options` (its fields); an unknown one is one ValueError line."""
+    unknown = sorted(set(options) - set(SyntheticConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; valid: "
+                         f"{', '.join(SyntheticConfig.__dataclass_fields__)}")
+    return SyntheticConfig(**options)
+
+
+def synthetic_options(name: str, options) -> dict:
+    """Every field of the world `options` (a mapping of fields, or a `SyntheticConfig`) asks
+    for, its default where they say nothing: the values a run records (`stppo.config.TaskConfig`)."""
+    c = synthetic_config(name, asdict(options) if isinstance(options, SyntheticConfig) else options)
+    return {**asdict(c), "hop_mix": list(c.hop_mix)}
+
+
 def build_synthetic_task(config: SyntheticConfig | None = None, *, name: str = "synthetic_multihop",
                          **overrides) -> SyntheticTask:
     """The synthetic_multihop task (named `name`); `overrides` are `SyntheticConfig` fields."""
     if config is None:
-        unknown = sorted(set(overrides) - set(SyntheticConfig.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"{name}: unknown option(s) {unknown}; valid: "
-                             f"{', '.join(SyntheticConfig.__dataclass_fields__)}")
-        config = SyntheticConfig(**overrides)
+        config = synthetic_config(name, overrides)
     elif overrides:
         raise ValueError("synthetic_multihop: pass either config or field overrides, not both")
     rng = random.Random(config.seed)

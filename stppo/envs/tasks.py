@@ -57,6 +57,16 @@ def _mcq(**options: Any) -> Task:
     return build_mcq_task(**options)
 
 
+def resolved_options(name: str, options) -> dict:
+    """The options task `name` is built with, as a run records them: for the synthetic worlds
+    every `SyntheticConfig` field (its default where `options` says nothing), checked; for the
+    others `options` as given (their builders check them)."""
+    if name in ("synthetic_multihop", "testbed"):
+        from stppo.envs.synthetic import synthetic_options
+        return synthetic_options(name, options)
+    return dict(options)
+
+
 def build_task(name: str, /, **options: Any) -> Task:
     """Build a task by registry name; an unknown name lists the valid ones."""
     if name not in TASKS:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from stppo.algos import (LossOutput, LossSpec, agg_denoms, agg_loss, agg_weights, clip_bias_term,
+from stppo.algos import (LossOutput, LossSpec, agg_loss, agg_weights, clip_bias_term,
                          importance_ratio, kl_loss, policy_loss, turn_breakdown)
 from stppo.algos.aggregation import GlobalDenoms
 from stppo.algos.clip_bias import Reduce
@@ -21,7 +21,7 @@ from stppo.batch import Batch
 from stppo.metric_names import ENTROPY, PG_LOSS
 from stppo.train.context import UpdateContext
 from stppo.train.distributed import Dist
-from stppo.train.rollout_corr import Gather, minibatch_correction
+from stppo.train.rollout_corr import Gather, correction_for
 
 
 
@@ -65,14 +65,10 @@ def grad_estimator(spec: LossSpec) -> bool:
 def policy_inputs(lp: torch.Tensor, old: torch.Tensor, mb: Batch, spec: LossSpec, scope: Scope,
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], GlobalDenoms, dict]:
     """(the agent tokens the policy loss aggregates over, its IS weights or None, its
-    denominators, the rollout correction's metrics) of rows `mb` (`stppo.train.rollout_corr`).
-    Bypass mode rejects inside the loss: the denominators stay those of every agent token."""
-    rc = spec.rollout_correction
-    c, m = minibatch_correction(lp, old, mb, rc, scope.gather, scope.metrics)
-    denoms = scope.denoms
-    if rc.bypass_mode and denoms is None:
-        denoms = agg_denoms(mb.loss_mask)
-    return c.loss_mask, c.weights, denoms, m
+    denominators, the rollout correction's metrics) of rows `mb`: what the run's rollout
+    correction gives this call (`stppo.train.rollout_corr`)."""
+    return tuple(correction_for(spec.rollout_correction).loss_inputs(
+        lp, old, mb, scope.denoms, scope.gather, scope.metrics))
 
 
 def actor_loss(lp: torch.Tensor, ent: torch.Tensor, mb: Batch, ctx: UpdateContext,

@@ -18,6 +18,7 @@ from stppo.config import Config, to_config
 from stppo.tracker import Tracker, flatten
 from stppo.train import checkpoint, distributed
 from stppo.train.loop import Trainer, read_run_info, resolved_yaml, run_dir_for, write_run_info
+from stppo.train.rollout_corr import correction_for
 from stppo.train.setup import build_components, device_of
 from stppo.train.update import old_log_probs_from_update
 
@@ -54,8 +55,8 @@ def run_params(cfg: Config) -> dict[str, str]:
     old log-probs from its own forward, `sampler` when a bypass-mode rollout correction takes the
     sampler's (no forward), else `computed` (a separate no-grad forward)."""
     skipped = old_log_probs_from_update(cfg)
-    bypass = cfg.algo.spec.rollout_correction.bypass_mode
-    how = "skipped" if skipped else "sampler" if bypass else "computed"
+    sampler = correction_for(cfg.algo.spec.rollout_correction).old_from_sampler
+    how = "skipped" if skipped else "sampler" if sampler else "computed"
     return {**flatten(asdict(cfg)), "derived.old_log_prob_pass": how}
 
 

@@ -40,6 +40,7 @@ from stppo.models import Precision
 from stppo.rollout.episodes import pad_token_id
 from stppo.train.distributed import Dist
 from stppo.train.prepare import FORWARD_CHUNK, eval_log_probs
+from stppo.train.rollout_corr import correction_for
 from stppo.train.sampler import OnPolicySampler, Refill, Sampler, step_seed
 
 # roll(model, questions, generator, group_ids) → Batch: one rollout of `questions` (each
@@ -138,8 +139,8 @@ class StaleSampler(Sampler):
 
     def metrics(self, batch: Batch, sampled: torch.Tensor, reduce=None
                 ) -> tuple[dict[str, float], Optional[torch.Tensor]]:
-        live = live_log_probs(batch, self.policy, self.cfg.algo.spec.rollout_correction.bypass_mode,
-                              self.precision, self.chunk)
+        sampler_old = correction_for(self.cfg.algo.spec.rollout_correction).old_from_sampler
+        live = live_log_probs(batch, self.policy, sampler_old, self.precision, self.chunk)
         return offpolicy_metrics(batch, reduce, agent_mask=sampled, live=live), live
 
     def restart(self, step: int) -> None:
@@ -213,12 +214,12 @@ class StaleSampler(Sampler):
 
 
 @torch.no_grad()
-def live_log_probs(batch: Batch, policy: torch.nn.Module, bypass: bool, precision: Precision,
+def live_log_probs(batch: Batch, policy: torch.nn.Module, sampler_old: bool, precision: Precision,
                    chunk: int) -> torch.Tensor:
     """log π of the batch's tokens under the live policy θ_{t−1} (before the step's update): the
-    recomputed π_old — or, in a rollout correction's bypass mode, where π_old is the sampler's,
-    one forward of the live policy for `offpolicy/kl_to_current` alone."""
-    if not bypass:
+    recomputed π_old — or, when π_old is the sampler's (`sampler_old`: a rollout correction's
+    bypass mode), one forward of the live policy for `offpolicy/kl_to_current` alone."""
+    if not sampler_old:
         return batch.old_log_probs
     with precision.autocast():
         return eval_log_probs(policy, batch, chunk)

@@ -3,9 +3,10 @@
     rollout (π_old) → old_log_probs, ref_log_probs, values → rewards (+ KL if in reward)
                     → rollout correction (decoupled mode) → advantages and returns of the preset
 
-The rollout correction (`algo.rollout_correction`, `stppo.train.rollout_corr`) acts here in
-decoupled mode, as verl's does before its advantages: the rejected tokens leave the loss mask and
-the IS weights join the batch. In bypass mode π_old is the sampler's π_rollout (no forward).
+The rollout correction (`algo.rollout_correction`, the component of `stppo.train.rollout_corr`)
+says where π_old comes from — the sampler's log-probs in bypass mode (no forward), else this
+forward — and acts here once per step in decoupled mode, as verl's does before its advantages:
+the rejected tokens leave the loss mask and the IS weights join the batch.
 
 Every forward computes the agent tokens only (the LM and value heads run on those positions)
 under the run's precision (autocast). When the update is provably on-policy (`skip_old`: see
@@ -34,7 +35,7 @@ from stppo.algos.segments import subsentence_ids
 from stppo.batch import Batch
 from stppo.config import AlgoConfig, delimiter_chars
 from stppo.models import Precision, policy_log_probs, policy_log_probs_sum_pi_squared
-from stppo.train.rollout_corr import Gather, sampler_log_probs, step_correction
+from stppo.train.rollout_corr import Gather, correction_for
 from stppo.metric_names import (ADV_MAX, ADV_MEAN, ADV_MIN, ADV_STD, RETURNS_MEAN, VALUES_MEAN)
 
 
@@ -145,18 +146,16 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
     ranks) makes advantage whitening global, `gather` (`Dist.gather_rows`) the rollout
     correction's statistics. `skip_old`: leave old_log_probs None for the update to fill (an
     on-policy update)."""
-    rc = algo.spec.rollout_correction
+    corr = correction_for(algo.spec.rollout_correction)
     otb = algo.advantage in OLD_POLICY_ESTIMATORS
-    if otb and (skip_old or rc.bypass_mode):
+    if otb and (skip_old or corr.old_from_sampler):
         raise ValueError(f"advantage={algo.advantage} reads the old policy's forward: skip_old=False "
                          "and no bypass-mode rollout correction")
     with precision.autocast():
-        old = pi_sq = None
-        if rc.bypass_mode:  # π_old := π_rollout
-            old = sampler_log_probs(batch, rc)
-        elif otb:
+        old, pi_sq = corr.old_log_probs(batch), None  # bypass: π_old := π_rollout
+        if old is None and otb:
             old, pi_sq = eval_log_probs(policy, batch, chunk, of=_log_probs_sum_pi_squared)
-        elif not skip_old:
+        elif old is None and not skip_old:
             old = eval_log_probs(policy, batch, chunk)
         ref_lp = forward_in_chunks(_log_probs(ref), batch, chunk) if ref is not None else None
         values = (forward_in_chunks(lambda i, m, p: critic.values(i, m, positions=p), batch, chunk)
@@ -170,11 +169,8 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
         rewards, kl_m = kl_in_reward(rewards, old, ref_lp, batch.loss_mask,
                                      beta=algo.kl.coef, kind=algo.kl.estimator)
         metrics.update({k: float(v) for k, v in kl_m.items()})
-    if rc.decoupled:
-        if old is None:
-            raise ValueError("a decoupled rollout correction needs the old log-probs: skip_old=False")
-        batch, corr_m = step_correction(batch, old, rc, gather)
-        metrics.update(corr_m)
+    batch, corr_m = corr.prepare(batch, old, gather)  # decoupled: rejection and IS weights
+    metrics.update(corr_m)
     adv, ret = compute_advantages(
         algo.advantage, loss_mask=batch.loss_mask, turn_ids=batch.turn_ids, rewards=rewards,
         values=values, scores=real_scores(batch), group_ids=batch.group_ids, gamma=algo.gamma,
@@ -186,7 +182,7 @@ def prepare_batch(batch: Batch, policy, critic, ref, algo: AlgoConfig, *,
                     RETURNS_MEAN: masked_stats(ret, batch.loss_mask)[0]})
     if values is not None:
         metrics[VALUES_MEAN] = masked_stats(values, batch.loss_mask)[0]
-    segs = (batch_subsentence_ids(batch, policy) if LOSS_MODES[algo.spec.loss_mode].segments
+    segs = (batch_subsentence_ids(batch, policy) if LOSS_MODES[algo.spec.runs].segments
             else None)
     out = replace(batch, old_log_probs=old, ref_log_probs=ref_lp, values=values, rewards=rewards,
                   advantages=adv, returns=ret, segment_ids=segs)

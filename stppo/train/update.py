@@ -24,6 +24,7 @@ from stppo.train.distributed import Dist
 from stppo.train.metrics import MetricAccumulator
 from stppo.train.microbatch import actor_backward, critic_backward, whole_actor_loss
 from stppo.train.offpolicy import sampler_class
+from stppo.train.rollout_corr import correction_for
 
 
 def old_log_probs_from_update(cfg: Config) -> bool:
@@ -39,8 +40,7 @@ def old_log_probs_from_update(cfg: Config) -> bool:
     one_minibatch = tr.minibatch_size >= tr.questions_per_step * tr.group_size
     kl_reads_old = algo.kl.coef > 0 and algo.kl.in_reward
     advantage_reads_old = algo.advantage in OLD_POLICY_ESTIMATORS
-    rc = algo.spec.rollout_correction
-    own_old = not (rc.decoupled or rc.bypass_mode)
+    own_old = correction_for(algo.spec.rollout_correction).update_may_own_old
     return (tr.ppo_epochs == 1 and one_minibatch and not kl_reads_old and not advantage_reads_old
             and own_old and sampler_class(tr.offpolicy).on_policy)
 

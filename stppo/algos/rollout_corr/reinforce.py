@@ -1,6 +1,6 @@
-"""The bypass-mode REINFORCE loss (verl 0.9.1 `compute_policy_loss_reinforce`, reached through
-`compute_policy_loss_bypass_mode` with loss_type 'reinforce'). docs/design.md §2, "Rollout
-correction".
+"""The bypass-mode REINFORCE loss, the loss mode `reinforce` (verl 0.9.1
+`compute_policy_loss_reinforce`, reached through `compute_policy_loss_bypass_mode` with loss_type
+'reinforce'). docs/design.md §2, "Rollout correction".
 
 In bypass mode π_old is the sampler's π_rollout and the loss is a plain policy gradient with
 explicit importance weights instead of PPO's clipped ratio:
@@ -12,6 +12,10 @@ token or sequence level), 1 without any. Metrics: the clip path's keys of the ra
 ρ = π_θ / π_rollout (what a clipped surrogate at the spec's range would clip: κ, its fractions,
 ρ's mean and max, −δ as actor/ppo_kl — verl's only metric here), with the clipping bias of the
 generalised definition (`stppo.algos.baselines.common`): g_t = −ω_t A_t, so b_t = (ρ_t − ω_t) A_t.
+
+A registered loss mode like any other. A spec runs it when its rollout correction is a bypass
+one with loss_type 'reinforce' (`RolloutCorrection.reinforce`): `LossSpec` then names this mode
+in place of the preset's clip path, which it replaces; it runs with no other correction.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from __future__ import annotations
 import torch
 
 from stppo.algos.baselines.common import assemble, metrics, token_view, weighted
-from stppo.algos.contract import LossInputs
+from stppo.algos.contract import LossInputs, loss_mode
 from stppo.algos.surrogate import clipped_surrogate
 
 
+@loss_mode("reinforce", ratio_levels=("token",), dual_clip=True, separable=True,
+           source="verl 'reinforce' (compute_policy_loss_bypass_mode, loss_type reinforce)")
 def reinforce_loss(x: LossInputs, spec) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of the bypass REINFORCE loss, with the contract of a loss mode
     (`stppo.algos.contract`): `x.old_log_probs` are π_rollout's; the spec's clip range and dual

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
-from stppo.config import Config
+from stppo.config.schema import Config
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A real MLflow sqlite store with known curves, shared by the analysis and dashboard tests.
+"""Real MLflow sqlite stores with known curves, shared by the analysis and dashboard tests (their
+pytest fixtures are imported by name: `from helpers.stores import KNOWN, known_uri`).
 
 Experiment `known` (written with MlflowClient.log_batch per step, as the trainer does):
 * ppo seed 0  — steps 1..20; success 0.8 then 0.0 from step 15 (collapse.ema=1, patience=3 ⇒
@@ -73,7 +74,7 @@ def build_known_store(root: Path) -> str:
     """Write the store once per test session (idempotent: later callers reuse the file)."""
     import mlflow
 
-    from analysis.fixtures.runs import write_run
+    from fixtures.runs import write_run
 
     root.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{root / 'mlflow.db'}"
@@ -107,17 +108,7 @@ def run_ids(study) -> dict[tuple[str, int], str]:
     return {(r["algo"], int(r["seed"])): r["run_id"] for _, r in study.runs.iterrows()}
 
 
-def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
-    from analysis import load_study
-
-    study = load_study(KNOWN, known_uri)
-    assert sorted(run_ids(study)) == sorted(RUNS)
-    assert set(study.runs["status"]) == {"FINISHED", "KILLED"}
-    assert study.metrics.groupby("run_id", observed=True)["step"].max().sort_values().tolist() == [
-        10, 20, 30, 30, 30, 30, 30]
-
-
-# A second store for the workbench's diagnostics (docs/design.md §4), written by analysis.fixtures.runs:
+# A second store for the workbench's diagnostics (docs/design.md §4), written by fixtures.runs:
 # * `demo` — ppo (collapses at 20 + 3·seed) and st_ppo, seeds 0, 1, 40 steps, with per-turn metrics,
 #   group fractions, rollout_corr, alarm flags and sample tables every 10 steps and at the detected
 #   collapse;
@@ -125,28 +116,28 @@ def test_known_store_holds_the_runs_as_written(known_uri, cache_tmp):
 #   before the collapse; collapse settings ema=1, patience=3, so the onset is the drop step):
 SIGNAL_RUNS = [(25, 6), (30, 10), (28, 3), (None, None), (None, None), (None, None), (27, None)]
 DEMO, SIGNAL = "demo", "signal"
-# * `stale_a` — the cells of `analysis.fixtures.stale_runs.STALE_CELLS` (preset × lag × lag mode × rollout
+# * `stale_a` — the cells of `fixtures.stale_runs.STALE_CELLS` (preset × lag × lag mode × rollout
 #   correction, 2 seeds each, a known number of collapses; ppo at lag 0 written as runs from before
 #   trainer.offpolicy, without the params); `stale_b` — a second level: ppo at lags 0 and 2.
 STALE, STALE_B = "stale_a", "stale_b"
 
 
 def stale_b_cells():
-    from analysis.fixtures.stale_runs import StaleCell
+    from fixtures.stale_runs import StaleCell
 
     return (StaleCell("ppo", 0, 2, 1), StaleCell("ppo", 2, 2, 2))
 
 
 def write_stale_experiments(uri: str) -> None:
     """The two stale experiments, `stale_a` and `stale_b`."""
-    from analysis.fixtures.stale_runs import write_stale_study
+    from fixtures.stale_runs import write_stale_study
 
     write_stale_study(uri, STALE)
     write_stale_study(uri, STALE_B, stale_b_cells(), noise_seed=10_000)  # other runs than stale_a's
 
 
 def build_workbench_store(root: Path) -> str:
-    from analysis.fixtures.runs import write_demo_study, write_signal_study
+    from fixtures.runs import write_demo_study, write_signal_study
 
     root.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{root / 'mlflow.db'}"
