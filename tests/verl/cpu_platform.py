@@ -7,17 +7,24 @@ in `workers/engine/fsdp/transformer_impl.py`). `use_cpu_platform()` makes verl s
 - `CPUPlatform`: verl's `PlatformCUDA` reporting device "cpu", the gloo backend, the current device
   "cpu" (verl moves modules with `.to(get_device_id())`), and as device module `torch.cpu` plus
   the memory queries verl logs (always 0) and the device name its FLOP counter reads;
-- the FSDP language-model engine registered once more for device "cpu".
+- the FSDP engines (language model: actor and reference; value model: critic) registered once
+  more for device "cpu".
 
-It must run before anything calls `verl.plugin.platform.get_platform()` (the platform is resolved
-once per process); the tests' conftest does not call it, the actor-update module does at import.
+Two ways in: `use_cpu_platform()` sets the platform of this process (the actor-update tests, one
+process); `register_cpu_platform()` registers it with verl's `PlatformRegistry` as
+`PLATFORM_NAME`, which `VERL_PLATFORM=stppo_cpu` then selects in every process of a Ray run
+(`loop/plugin.py`, loaded by `VERL_USE_EXTERNAL_MODULES`). Either must run before anything calls
+`verl.plugin.platform.get_platform()` (the platform is resolved once per process); the tests'
+conftest calls neither, the actor-update module calls the first at import.
 """
 
 from __future__ import annotations
 
 import torch
 
+PLATFORM_NAME = "stppo_cpu"
 _DONE = False
+_ENGINES = False
 
 
 class _CPUDeviceModule:
@@ -77,7 +84,38 @@ def _platform_class():
         def communication_backend_name(self) -> str:
             return "gloo"
 
+        def set_allocator_settings(self, settings: str) -> None:
+            return None  # CUDA's caching allocator only
+
+        def is_ipc_supported(self) -> bool:
+            return False  # no CUDA IPC between the trainer and a rollout server on the CPU
+
     return CPUPlatform
+
+
+def register_engines() -> None:
+    """verl's FSDP engines for device "cpu": the language model (actor, reference) and the value
+    model (critic); verl registers them for cuda and npu only (idempotent)."""
+    global _ENGINES
+    if _ENGINES:
+        return
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
+        FSDPEngineWithLMHead)
+    EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device="cpu")(
+        FSDPEngineWithValueHead)
+    _ENGINES = True
+
+
+def register_cpu_platform() -> None:
+    """Register the CPU platform with verl's PlatformRegistry (selected by VERL_PLATFORM=stppo_cpu)
+    and the FSDP engines for it."""
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    PlatformRegistry.register(platform=PLATFORM_NAME)(_platform_class())
+    register_engines()
 
 
 def use_cpu_platform() -> None:
@@ -86,10 +124,7 @@ def use_cpu_platform() -> None:
     if _DONE:
         return
     from verl.plugin.platform.platform_manager import set_platform
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
     set_platform(_platform_class()())
-    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(
-        FSDPEngineWithLMHead)
+    register_engines()
     _DONE = True

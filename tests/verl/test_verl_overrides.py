@@ -120,7 +120,7 @@ def test_every_shipped_experiment_composes_valid_verl_settings(experiment, model
     CPU one): verl composes the overrides, builds its config classes and passes validate_config;
     the prompt and response lengths split the experiment's context."""
     cfg, c, b = translate(["backend=verl", f"+experiment={experiment}", f"model.path={model_dir}"], model_dir)
-    assert not cfg.trainer.warmstart.enabled and cfg.task.prompt_style == "search_r1"  # the backend's
+    assert not cfg.trainer.warmstart.enabled and cfg.task.prompt_style in ("search_r1", "instruct")  # chat prompts
     assert c.data.max_prompt_length + c.data.max_response_length == cfg.trainer.rollout.max_total_tokens
     assert c.data.max_prompt_length == min(512, cfg.trainer.rollout.max_total_tokens // 2)
     assert b["actor"].policy_loss.max_turns == cfg.task.max_turns
@@ -213,7 +213,8 @@ def test_the_optimal_token_baseline_gets_verls_sum_pi_squared_and_legacy_trainer
     assert b["actor"].calculate_sum_pi_squared and not c.actor_rollout_ref.model.use_fused_kernels
     assert c.trainer.use_v1 is False
     cfg, c, b = translate([*SMALL, "algo=grpo", f"model.path={model_dir}"], model_dir)
-    assert not b["actor"].calculate_sum_pi_squared and c.trainer.use_v1 is True  # verl's defaults
+    assert not b["actor"].calculate_sum_pi_squared  # verl's default
+    assert c.trainer.use_v1 is False  # stppo's choice for every run without bypass mode (overrides.uses_v1)
 
 
 def test_the_new_baselines_options_reach_verl_and_sspo_is_refused(model_dir):

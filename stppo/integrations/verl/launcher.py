@@ -40,15 +40,23 @@ from stppo.config import Config, run_identity, to_config
 from stppo.integrations.verl import data as D
 from stppo.integrations.verl.monitor import RunMonitor
 from stppo.integrations.verl.overrides import (JobFiles, check_translatable, entry_module, env_overrides,
-                                               format_command, model_source, per_turn_count, verl_overrides)
+                                               format_command, model_source, per_turn_count, rollout_engine,
+                                               uses_v1, verl_device, verl_overrides)
 from stppo.tracker import Tracker, absolute_uri, flatten, resolve_uri
 from stppo.mlflow_store import call
 
 log = logging.getLogger(__name__)
 STDERR_TAIL = 20  # lines of verl's stderr kept for the run's error note
-PROBE = ("import json, sys, torch, verl; print(json.dumps({'verl': verl.__version__, "
-         "'gpus': torch.cuda.device_count() if torch.cuda.is_available() else 0}))")
+# verl's version, this node's CUDA GPUs and which of the modules named in argv are missing
+PROBE = ("import importlib.util, json, sys, torch, verl; print(json.dumps({'verl': verl.__version__, "
+         "'gpus': torch.cuda.device_count() if torch.cuda.is_available() else 0, "
+         "'missing': [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]}))")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What verl imports beyond itself, (module, what to pip install): its v1 trainer TransferQueue (in
+# verl's `verl-core` extra, which verl[vllm] / verl[sglang] pull; not in a plain `pip install
+# verl`), each rollout engine its server (an engine registered by a verl plugin: not known here).
+V1_PACKAGE = ("transfer_queue", "TransferQueue>=0.1.10")
+ENGINE_PACKAGES = {"vllm": ("vllm", "verl[vllm]"), "sglang": ("sglang", "verl[sglang]")}
 
 
 class Terminated(BaseException):
@@ -115,8 +123,10 @@ def make_plan(cfg: Config, *, run_id: str, uri: str | None = None, python: str |
 # -- checks before anything starts ---------------------------------------------------------------
 def preflight(cfg: Config) -> str:
     """Check the verl environment's interpreter, the model, the retrieval server, then (one
-    `python -c` that imports verl) verl itself and the GPUs of this node; returns the interpreter's
-    path. Raises ValueError / ConnectionError (one line) on the first problem."""
+    `python -c` that imports verl) verl itself, for verl's CUDA device the GPUs of this node, and
+    the packages the run's trainer and rollout engine import (`required_packages`);
+    returns the interpreter's path. Raises ValueError / ConnectionError (one line) on the first
+    problem."""
     b = cfg.backend
     python = shutil.which(b.python) if os.sep not in b.python else b.python
     if not python or not os.access(python, os.X_OK):
@@ -125,18 +135,37 @@ def preflight(cfg: Config) -> str:
     check_model(model_source(cfg))
     if cfg.task.retriever.kind == "http":
         check_server(cfg.task.retriever.url, timeout_s=min(10.0, cfg.task.retriever.timeout_s))
-    env = probe(python)  # the slow one last: imports verl
-    if b.n_gpus_per_node > env["gpus"]:
+    needed = required_packages(cfg)
+    env = probe(python, modules=tuple(needed))  # the slow one last: imports verl
+    if verl_device(cfg) == "cuda" and b.n_gpus_per_node > env["gpus"]:
         raise ValueError(f"backend asks for {b.nnodes} node(s) x {b.n_gpus_per_node} GPUs but this node has "
                          f"{env['gpus']} visible GPU(s) (torch in {python}); lower backend.n_gpus_per_node or "
                          "run on a GPU node")
+    missing = env.get("missing") or []
+    if missing:
+        raise ValueError(f"the verl environment ({python}) has no module {missing[0]!r}: {needed[missing[0]]}")
     return python
 
 
-def probe(python: str) -> dict[str, Any]:
-    """{'verl': version, 'gpus': n} from one `python -c` in the verl environment."""
+def required_packages(cfg: Config) -> dict[str, str]:
+    """{module: why and how to install it} that verl's processes import for this run beyond verl
+    itself: transfer_queue for the v1 trainer (`overrides.uses_v1`), the rollout engine's package."""
+    out = {}
+    if uses_v1(cfg):
+        module, pip = V1_PACKAGE
+        out[module] = f"verl's v1 trainer (trainer.use_v1=true) imports it: pip install '{pip}'"
+    engine = rollout_engine(cfg)
+    if engine in ENGINE_PACKAGES:
+        module, pip = ENGINE_PACKAGES[engine]
+        out[module] = f"the {engine} rollout engine (backend.rollout_engine={engine}): pip install '{pip}'"
+    return out
+
+
+def probe(python: str, modules: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{'verl': version, 'gpus': n, 'missing': [those of `modules` not importable]} from one
+    `python -c` in the verl environment."""
     try:
-        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([python, "-c", PROBE, *modules], capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ValueError(f"backend.python={python} cannot be run ({e})") from None
     if out.returncode != 0:

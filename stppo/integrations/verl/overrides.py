@@ -40,6 +40,10 @@ is rejected by `check_translatable` when it would change the run):
   model                      actor_rollout_ref.model.path = critic.model.path; dtype; checkpointing
   backend                    trainer.nnodes, n_gpus_per_node, rollout engine, TP, micro-batches
   tracking                   trainer.logger=[console,mlflow], project = tracking.experiment
+  (the trainer)              trainer.use_v1=false: verl's legacy `RayPPOTrainer` (`uses_v1`); true
+                             only for a bypass-mode rollout correction, or when backend.overrides
+                             says so (the launcher checks that the chosen trainer's and rollout
+                             engine's packages are there before Ray starts)
   trainer.offpolicy.lag      1: verl.experimental.one_step_off_policy.main_ppo; ≥ 2:
                              verl.experimental.fully_async_policy.fully_async_main with
                              async_training.staleness_threshold=lag, trigger_parameter_sync_step=1,
@@ -100,6 +104,14 @@ ADV_ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": 
 # reads it in `_compute_advantage`, so `compute_advantage` fails its "sum_pi_squared" assert.
 SUM_PI_SQUARED = {"actor_rollout_ref.actor.calculate_sum_pi_squared": True,
                   "actor_rollout_ref.model.use_fused_kernels": False, "trainer.use_v1": False}
+# verl 0.9.1's `main_ppo` runs its v1 trainer (`trainer.use_v1`, verl's default) or its legacy
+# `RayPPOTrainer` (main_ppo_v0). The v1 trainer imports the package transfer_queue — in verl's
+# `verl-core` extra (pulled by `verl[vllm]`, `verl[sglang]`), not in a plain `pip install verl` —
+# and starts a TransferQueue controller and storage-unit actors; the legacy trainer needs
+# neither. stppo runs the legacy trainer, the one its CPU test runs end to end
+# (tests/verl/test_verl_loop.py), except where only v1 is right: a bypass-mode rollout correction
+# (the legacy trainer swaps stppo's loss for verl's own bypass_mode loss). backend.overrides=
+# [trainer.use_v1=true] picks v1 for any other run (`uses_v1`; the launcher checks the package).
 SEGMENTS_ERROR = ("reads subsentences from the token ids, which verl 0.9.1 does not pass to a policy "
                   "loss (its ppo_loss hands over log-probs, advantages and the response mask only); "
                   "train it with backend=own")
@@ -222,6 +234,30 @@ def entry_module(cfg: Config) -> str:
     raise ValueError(f"backend.entry={entry} cannot run trainer.offpolicy.lag={lag}: the lag picks verl's "
                      f"trainer ({ENTRY_ONE_STEP} for lag 1, {ENTRY_FULLY_ASYNC} for any); leave "
                      f"backend.entry at {ENTRY_SYNC}")
+
+
+def uses_v1(cfg: Config) -> bool:
+    """Whether verl runs its v1 trainer (the comment above SEGMENTS_ERROR says why rarely): only
+    for the synchronous entry, when backend.overrides sets trainer.use_v1=true or the rollout
+    correction runs in bypass mode."""
+    if entry_module(cfg) != ENTRY_SYNC:
+        return False  # verl's off-policy trainers are trainers of their own
+    forced = _overridden(cfg, "trainer.use_v1")
+    if forced is not None:
+        return forced == "true"
+    rc = cfg.algo.spec.rollout_correction
+    return rc.name != "none" and bool(rc.bypass_mode)
+
+
+def rollout_engine(cfg: Config) -> str:
+    """The rollout engine verl builds: backend.rollout_engine, or the name backend.overrides gives
+    actor_rollout_ref.rollout.name (e.g. an engine registered by a verl plugin)."""
+    return _overridden(cfg, f"{ROLLOUT}.name") or cfg.backend.rollout_engine
+
+
+def verl_device(cfg: Config) -> str:
+    """verl's trainer.device: cuda unless backend.overrides sets another (a verl platform plugin's)."""
+    return _overridden(cfg, "trainer.device") or "cuda"
 
 
 def rollout_gpus(cfg: Config) -> int:
@@ -417,6 +453,7 @@ def _trainer(cfg: Config, files: JobFiles) -> dict[str, Any]:
         "trainer.test_freq": test_freq(t.val_every, t.collapse.every), "trainer.save_freq": t.save_every or -1,
         "trainer.default_local_dir": files.checkpoints,
         "trainer.resume_mode": "auto" if t.resume else "disable",
+        **({"trainer.use_v1": uses_v1(cfg)} if entry_module(cfg) == ENTRY_SYNC else {}),
     }
 
 
