@@ -12,7 +12,7 @@
 # What it needs beyond the GPU image (Python 3.12, torch, transformers 5.17, numpy, pandas, pyarrow,
 # scipy, accelerate, pytest, ...): the wheels `make gpu-wheels` puts in .gpu/ (verl's are listed in
 # scripts/gpu/requirements-verl.txt; installed with --no-deps, since verl's metadata pins
-# transformers<5.11 and this path runs with 5.17). `scripts/gpu_check.sh verl` installs them and
+# transformers<5.11 and this path runs with 5.17). `scripts/gpu_run.sh verl-update` installs them and
 # runs this script; to run it alone, put those packages on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 try:
     import ray, tensordict, transformers, verl  # noqa: F401
 except ImportError as e:
-    sys.exit(f"gpu_check_verl: {e}; install the wheels of `make gpu-wheels` (scripts/gpu_check.sh verl "
+    sys.exit(f"gpu_check_verl: {e}; install the wheels of `make gpu-wheels` (scripts/gpu_run.sh verl-update "
              "does)")
 print(f"gpu_check_verl: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, verl {verl.__version__}, "
       f"transformers {transformers.__version__}, ray {ray.__version__}")

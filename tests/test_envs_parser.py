@@ -9,7 +9,7 @@ import pytest
 from stppo.envs.actions import (INVALID_ACTION_OBSERVATION, doc_from_contents, format_information,
                                 parse_action)
 from stppo.envs.base import Doc, Question
-from stppo.envs.prompts import build_prompt
+from stppo.envs.prompts import INSTRUCT_SYSTEM, build_prompt
 from stppo.envs.rewards import em_score, mcq_score, normalize_answer, option_letter
 
 SEARCH_R1_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)  # generation.py
@@ -129,10 +129,11 @@ def test_prompt_styles():
     assert p.endswith("For example, <answer> Beijing </answer>. Question: who wrote it?\n")
     mcq = Question("m", "Which drug?", ("C",), meta={"options": {"A": "x", "B": "y"}})
     assert build_prompt(mcq, "compact") == "Question: Which drug?\nA. x\nB. y\n"
-    with pytest.raises(ValueError, match="allowed: search_r1, chat, compact"):
+    with pytest.raises(ValueError, match="allowed: search_r1, chat, instruct, compact"):
         build_prompt(q, "fancy")
-    with pytest.raises(ValueError, match="chat_template"):
-        build_prompt(q, "chat")
+    for style in ("chat", "instruct"):
+        with pytest.raises(ValueError, match=f"prompt_style='{style}' needs a tokenizer with a chat_template"):
+            build_prompt(q, style)
 
 
 def test_chat_prompt_uses_the_tokenizers_template():
@@ -146,3 +147,8 @@ def test_chat_prompt_uses_the_tokenizers_template():
     q = Question("q", "Where was Elara Voss born?", ("x",))
     text = build_prompt(q, "chat", tok)
     assert text == f"<|user|>{build_prompt(q, 'search_r1')}<|end|><|assistant|>"
+    # instruct: the short instruction as the system message (a template's default system prompt
+    # gives way), the question alone as the user's
+    assert build_prompt(q, "instruct", tok) == (f"<|system|>{INSTRUCT_SYSTEM}<|end|><|user|>Question: Where was "
+                                                "Elara Voss born?<|end|><|assistant|>")
+    assert all(t in INSTRUCT_SYSTEM for t in ("<search> query </search>", "<information>", "<answer> answer </answer>"))

@@ -4,7 +4,7 @@ and gives the same log-probs (float32, 1e-5) — greedy and sampled, across buck
 tags that span tokens, truncation at the total-length limit and GRPO groups sharing a prompt —
 and it reads a low-precision copy of the policy that follows the policy's weights.
 
-`STPPO_TEST_DEVICE=cuda` (scripts/gpu_check.sh) runs the same tests on a GPU, where the static
+`STPPO_TEST_DEVICE=cuda` (scripts/gpu_run.sh) runs the same tests on a GPU, where the static
 path replays CUDA graphs, plus the graphs-on vs graphs-off comparison."""
 
 import dataclasses

@@ -6,6 +6,10 @@
   chat       the same text as the user message of the tokenizer's chat template
              (`apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`), as
              Search-R1 does for instruct models.
+  instruct   the chat template with a short instruction that names the tags as its system
+             message and the question as the user message (INSTRUCT_SYSTEM): for small
+             instruct models on a CPU, where every prompt token is paid for in each rollout and
+             update (76 tokens for a 2-hop question in SmolLM2's template, 156 for `chat`).
   compact    'Question: {q}\\n' — for tiny random-init models, which learn the format from the
              warm start instead of from instructions.
 Multiple-choice questions (meta['options']) list their options after the question, one per line.
@@ -17,7 +21,8 @@ from typing import Any
 
 from stppo.envs.base import Question
 
-PROMPT_STYLES = ("search_r1", "chat", "compact")
+PROMPT_STYLES = ("search_r1", "chat", "instruct", "compact")
+CHAT_STYLES = ("chat", "instruct")  # rendered with the tokenizer's chat template
 
 SEARCH_R1_TEMPLATE = (
     "Answer the given question. "
@@ -34,6 +39,14 @@ SEARCH_R1_TEMPLATE = (
 
 COMPACT_TEMPLATE = "Question: {question}\n"
 
+# `instruct`: the instruction is the system message (it replaces a template's default system
+# prompt) and the question the user message.
+INSTRUCT_SYSTEM = (
+    "Answer the question. To look something up, write <search> query </search>; the results come "
+    "back between <information> and </information>. Search as often as you need, then give only "
+    "the answer as <answer> answer </answer>."
+)
+
 
 def question_body(question: Question, *, search_r1_mark: bool = False) -> str:
     """The question text, with the options of a multiple-choice question on following lines."""
@@ -46,17 +59,28 @@ def question_body(question: Question, *, search_r1_mark: bool = False) -> str:
     return text
 
 
+def chat_messages(question: Question, style: str) -> list[dict[str, str]]:
+    """The chat messages of a chat style (CHAT_STYLES): what the tokenizer's template renders here,
+    and what verl's rows carry (verl applies the template itself)."""
+    if style == "instruct":
+        return [{"role": "system", "content": INSTRUCT_SYSTEM},
+                {"role": "user", "content": f"Question: {question_body(question)}"}]
+    if style == "chat":
+        return [{"role": "user", "content": SEARCH_R1_TEMPLATE.format(
+            question=question_body(question, search_r1_mark=True))}]
+    raise ValueError(f"prompt_style={style!r} is not a chat style; chat styles: {', '.join(CHAT_STYLES)}")
+
+
 def build_prompt(question: Question, style: str = "search_r1", tokenizer: Any = None) -> str:
     """The prompt string of `question` in `style` (one of PROMPT_STYLES)."""
     if style == "compact":
         return COMPACT_TEMPLATE.format(question=question_body(question))
     if style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style={style!r} is not valid; allowed: {', '.join(PROMPT_STYLES)}")
-    text = SEARCH_R1_TEMPLATE.format(question=question_body(question, search_r1_mark=True))
     if style == "search_r1":
-        return text
+        return SEARCH_R1_TEMPLATE.format(question=question_body(question, search_r1_mark=True))
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("prompt_style='chat' needs a tokenizer with a chat_template; use "
+        raise ValueError(f"prompt_style={style!r} needs a tokenizer with a chat_template; use "
                          "prompt_style='search_r1' or 'compact' for base and random-init models")
-    messages = [{"role": "user", "content": text}]
+    messages = chat_messages(question, style)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -12,8 +12,13 @@ exp(log π_θ − log π_old) of two recomputations; bfloat16 logits give log-pr
 ~1e-2, i.e. ratios that are bf16 noise (verl computes log-probs from float32 logits too).
 
 `model.dtype` in the config is the compute dtype (`auto`: bfloat16 on CUDA that supports it,
-float32 elsewhere); `model.param_dtype` the parameter dtype (`auto`: float32). Pure
-low-precision parameters only when asked for explicitly, with one warning.
+float32 elsewhere; `native_bf16`: bfloat16 wherever the device computes it natively — CUDA with
+bf16 support, or a CPU with AVX-512-BF16 or AMX, as torch reports them — float32 elsewhere);
+`model.param_dtype` the parameter dtype (`auto`: float32). Pure low-precision parameters only when
+asked for explicitly, with one warning. `auto` keeps float32 on every CPU, so a CPU study's
+numbers do not depend on which instructions its host has; `native_bf16` is for speed (a
+pretrained model on a CPU: bf16 matmuls run about twice as fast where the CPU has them, and
+emulated bf16 is slower than float32).
 """
 
 from __future__ import annotations
@@ -63,6 +68,15 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether `device` computes bfloat16 matmuls natively: CUDA with bf16 support, or a CPU with
+    AVX-512-BF16 or AMX tiles (torch's own capability report)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def _dtype(name: str | torch.dtype | None, field: str, default: torch.dtype) -> torch.dtype:
     if name is None or name == "auto":
         return default
@@ -77,9 +91,12 @@ def resolve_precision(dtype: str | torch.dtype | None, param_dtype: str | torch.
                       device: torch.device | str, *, warn: bool = True) -> Precision:
     """`model.dtype` (compute) and `model.param_dtype` → a Precision for `device`.
 
-    compute `auto`: bfloat16 on CUDA with bf16 support, else float32. params `auto`: float32 —
+    compute `auto`: bfloat16 on CUDA with bf16 support, else float32; `native_bf16`: bfloat16
+    where `native_bf16(device)`, else float32. params `auto`: float32 —
     master weights — whatever the compute dtype. Explicit low-precision params warn once."""
     device = torch.device(device)
+    if dtype == "native_bf16":
+        dtype = "bfloat16" if native_bf16(device) else "float32"
     compute = _dtype(dtype, "model.dtype", default_compute_dtype(device))
     params = _dtype(param_dtype, "model.param_dtype", torch.float32)
     if params != torch.float32 and warn:

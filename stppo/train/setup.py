@@ -15,6 +15,7 @@ import torch
 from stppo.cache import content_hash
 from stppo.config import Config
 from stppo.envs import SearchEnv, Task, build_retriever, build_task, run_oracle, tokenizer_texts
+from stppo.envs.prompts import CHAT_STYLES
 from stppo.models import (MODEL_PRESETS, Precision, ValueModel, load_model, reference_model,
                           resolve_precision)
 from stppo.algos.modes import LOSS_MODES
@@ -77,7 +78,7 @@ def build_components(cfg: Config, *, progress: bool = True) -> Components:
                                    gradient_checkpointing=cfg.model.gradient_checkpointing,
                                    logits_chunk=cfg.model.logits_chunk,
                                    arch_overrides=dict(cfg.model.arch_overrides))
-    if cfg.task.prompt_style == "chat":
+    if cfg.task.prompt_style in CHAT_STYLES:  # the prompts need the model's chat template
         env = build_env(cfg, task, tokenizer)
     ws_loss = warm_start(cfg, task, env, policy, tokenizer, progress=progress, precision=precision)
     critic = None
@@ -88,7 +89,7 @@ def build_components(cfg: Config, *, progress: bool = True) -> Components:
     # The frozen reference is held in the compute dtype (half the memory under bf16 autocast).
     ref = (reference_model(policy, precision.compute_dtype if precision.mixed else None)
            if cfg.algo.kl.coef > 0 else None)
-    if LOSS_MODES[cfg.algo.spec.loss_mode].segments:  # SSPO: the ids that end a subsentence
+    if LOSS_MODES[cfg.algo.spec.runs].segments:  # SSPO: the ids that end a subsentence
         set_subsentence_ends(policy, subsentence_end_table(
             tokenizer, cfg.algo.subsentence_delimiters, policy.get_input_embeddings().num_embeddings))
     comps = Components(task, env, tokenizer, policy, critic, ref, ws_loss, precision)

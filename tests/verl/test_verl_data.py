@@ -58,6 +58,26 @@ def test_verl_reads_the_converted_synthetic_task_with_its_dataset_class(tmp_path
     assert D.convert(cfg).dir == out.dir  # reused, not rewritten
 
 
+def test_the_instruct_style_reaches_verl_as_system_and_user_messages(tmp_path):
+    """task.prompt_style=instruct (the SmolLM2 recipe's): verl's dataset reads the instruction as
+    the system message and the question as the user's; a new style is a new conversion."""
+    from verl.trainer.ppo.utils import create_rl_dataset
+    from verl.utils import hf_tokenizer
+
+    from stppo.envs.prompts import INSTRUCT_SYSTEM
+
+    cfg, model = job(tmp_path, *WORLD, "task.prompt_style=instruct")
+    out = D.convert(cfg)
+    c = verl_config(cfg, out)
+    ds = create_rl_dataset(c.data.train_files, c.data, hf_tokenizer(str(model)), None, is_train=True)
+    from stppo.envs import build_task
+
+    q = build_task(cfg.task.name, **dict(cfg.task.options)).split("train")[3]
+    assert ds[3]["raw_prompt"] == [{"role": "system", "content": INSTRUCT_SYSTEM},
+                                   {"role": "user", "content": f"Question: {q.question}"}]
+    assert out.dir != D.convert(job(tmp_path, *WORLD)[0]).dir
+
+
 def test_search_r1_parquet_converts_with_its_sources_and_the_http_tool(tmp_path):
     src = tmp_path / "nq_hotpotqa"
     src.mkdir()

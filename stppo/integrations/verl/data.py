@@ -36,7 +36,7 @@ from typing import Any
 from stppo.cache import cache_dir, content_hash
 from stppo.config import Config
 from stppo.envs.base import Question, Task
-from stppo.envs.prompts import build_prompt
+from stppo.envs.prompts import CHAT_STYLES, chat_messages
 from stppo.integrations.verl.overrides import AGENT_LOOP
 
 FORMAT_VERSION = 1  # bump when the row layout or the tool config changes
@@ -71,11 +71,12 @@ def planned(cfg: Config, out_dir: Path | None = None) -> ConvertedData:
     return ConvertedData(d, d / "train.parquet", d / "val.parquet", d / "tool_config.yaml", cfg.task.name, {})
 
 
-def row(q: Question, split: str, index: int, data_source: str) -> dict[str, Any]:
-    """One verl RL row of a question."""
+def row(q: Question, split: str, index: int, data_source: str, prompt_style: str = "search_r1") -> dict[str, Any]:
+    """One verl RL row of a question: its prompt as chat messages (verl applies the model's chat
+    template): `instruct`'s system and user messages, else Search-R1's instruction as the user's."""
     return {
         "data_source": data_source,
-        "prompt": [{"role": "user", "content": build_prompt(q, "search_r1")}],
+        "prompt": chat_messages(q, prompt_style if prompt_style in CHAT_STYLES else "chat"),
         "ability": "search",
         "reward_model": {"style": "rule", "ground_truth": {"target": list(q.golden_answers)}},
         "agent_name": AGENT_LOOP,
@@ -148,7 +149,7 @@ def _write(cfg: Config, task: Task, tmp: Path, *, final_dir: Path) -> dict[str, 
 
     counts = {}
     for split, name in (("train", "train.parquet"), ("val", "val.parquet")):
-        rows = [row(q, split, i, cfg.task.name) for i, q in enumerate(task.split(split))]
+        rows = [row(q, split, i, cfg.task.name, cfg.task.prompt_style) for i, q in enumerate(task.split(split))]
         pq.write_table(pa.Table.from_pylist(rows), tmp / name)
         counts[split] = len(rows)
     corpus = None
